@@ -1,0 +1,189 @@
+// Package pipelines defines the rlflow pipeline schema, loads and validates
+// pipeline YAML files, and evaluates the ${{ }} expressions in them.
+//
+// Invariants: a *Pipeline returned by Load has passed every static check
+// (schema, per-type arguments, DAG, expression references), so the workflow
+// interpreter can trust step ids, needs and expression syntax. A Pipeline is
+// plain data that round-trips through JSON unchanged: it is the workflow input
+// frozen in Temporal history, so it must never hold weights, rollouts or
+// secrets (secrets are named by environment variable, never stored).
+package pipelines
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// SchemaVersion is the only pipeline format version this build understands.
+const SchemaVersion = 1
+
+// Pipeline is a validated pipeline: a DAG of steps run once per loop iteration.
+type Pipeline struct {
+	Version     int    `json:"version" yaml:"version"`
+	Name        string `json:"name" yaml:"name"`
+	Description string `json:"description,omitempty" yaml:"description,omitempty"`
+	// BaseDir is the absolute directory relative paths in step arguments are
+	// resolved against. Load sets it to the pipeline file's directory unless
+	// the file sets it.
+	BaseDir string `json:"base_dir,omitempty" yaml:"base_dir,omitempty"`
+	// Params are declared in file order; values are supplied at launch.
+	Params         []Param         `json:"params,omitempty" yaml:"-"`
+	Servers        []Server        `json:"servers,omitempty" yaml:"servers,omitempty"`
+	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty" yaml:"weight_transfer,omitempty"`
+	Loop           Loop            `json:"loop" yaml:"loop"`
+	// MaxParallel bounds how many steps of one iteration run at once (0 = unbounded).
+	MaxParallel int          `json:"max_parallel,omitempty" yaml:"max_parallel,omitempty"`
+	Defaults    StepDefaults `json:"defaults" yaml:"defaults"`
+	Steps       []Step       `json:"steps" yaml:"steps"`
+}
+
+// ParamType names the type of a launch parameter.
+type ParamType string
+
+const (
+	ParamString   ParamType = "string"
+	ParamInt      ParamType = "int"
+	ParamFloat    ParamType = "float"
+	ParamBool     ParamType = "bool"
+	ParamDuration ParamType = "duration"
+)
+
+// Param declares one launch parameter. Default holds a value already coerced
+// to Type (string, int64, float64, bool, or a duration string).
+type Param struct {
+	Name        string    `json:"name"`
+	Type        ParamType `json:"type"`
+	Default     any       `json:"default,omitempty"`
+	Required    bool      `json:"required,omitempty"`
+	Description string    `json:"description,omitempty"`
+}
+
+// Server is one vLLM instance. Control calls fan out to every server.
+type Server struct {
+	URL string `json:"url" yaml:"url"`
+	// APIKeyEnv names the environment variable on the worker holding the
+	// bearer token; the token itself never enters workflow input or history.
+	APIKeyEnv string `json:"api_key_env,omitempty" yaml:"api_key_env,omitempty"`
+	// API pins the weight-transfer API generation ("A".."D"); empty = probe.
+	API string `json:"api,omitempty" yaml:"api,omitempty"`
+}
+
+// WeightTransfer configures how new weights reach the servers.
+type WeightTransfer struct {
+	Backend     string `json:"backend" yaml:"backend"` // "nccl" or "disk"
+	Packed      bool   `json:"packed,omitempty" yaml:"packed,omitempty"`
+	BufferBytes int64  `json:"buffer_bytes,omitempty" yaml:"-"`
+	NumBuffers  int    `json:"num_buffers,omitempty" yaml:"num_buffers,omitempty"`
+}
+
+// Loop says how many iterations run. Exactly one of Iterations or Until is set
+// by a valid file; Iterations defaults to 1 when neither is.
+type Loop struct {
+	Iterations int `json:"iterations,omitempty" yaml:"iterations,omitempty"`
+	// Until is an expression evaluated after each iteration; true stops the loop.
+	Until         string `json:"until,omitempty" yaml:"until,omitempty"`
+	MaxIterations int    `json:"max_iterations,omitempty" yaml:"max_iterations,omitempty"`
+	// ContinueAsNewEvery is how many iterations one parent run executes before
+	// it continues as new, keeping history bounded (0 = DefaultContinueAsNewEvery).
+	ContinueAsNewEvery int `json:"continue_as_new_every,omitempty" yaml:"continue_as_new_every,omitempty"`
+}
+
+// DefaultContinueAsNewEvery keeps a parent run's history far below Temporal's
+// limits: each iteration costs the parent about a dozen events.
+const DefaultContinueAsNewEvery = 100
+
+// StepDefaults apply to every step that does not set its own value.
+type StepDefaults struct {
+	Timeout   Duration     `json:"timeout,omitempty" yaml:"timeout,omitempty"`
+	Heartbeat Duration     `json:"heartbeat,omitempty" yaml:"heartbeat,omitempty"`
+	Retry     *RetryPolicy `json:"retry,omitempty" yaml:"retry,omitempty"`
+	TaskQueue string       `json:"task_queue,omitempty" yaml:"task_queue,omitempty"`
+}
+
+// RetryPolicy mirrors Temporal's retry policy. MaxAttempts 0 means unlimited
+// (Temporal's meaning); 1 means no retry.
+type RetryPolicy struct {
+	MaxAttempts     int      `json:"max_attempts,omitempty" yaml:"max_attempts,omitempty"`
+	InitialInterval Duration `json:"initial_interval,omitempty" yaml:"initial_interval,omitempty"`
+	Backoff         float64  `json:"backoff,omitempty" yaml:"backoff,omitempty"`
+	MaxInterval     Duration `json:"max_interval,omitempty" yaml:"max_interval,omitempty"`
+	// NonRetryable lists error types (activities.ErrType* constants) that fail
+	// the step at once.
+	NonRetryable []string `json:"non_retryable,omitempty" yaml:"non_retryable,omitempty"`
+}
+
+// Step is one node of the DAG.
+type Step struct {
+	ID   string   `json:"id" yaml:"id"`
+	Uses string   `json:"uses" yaml:"uses"`
+	Needs []string `json:"needs,omitempty" yaml:"needs,omitempty"`
+	// With holds the type-specific arguments; strings may contain ${{ }}
+	// expressions, rendered by the interpreter just before the step runs.
+	With map[string]any `json:"with,omitempty" yaml:"with,omitempty"`
+	// When is a condition expression; false skips the step.
+	When string `json:"when,omitempty" yaml:"when,omitempty"`
+	// Always runs the step once its needs have finished, even if one failed,
+	// was skipped, or the run is being cancelled.
+	Always bool `json:"always,omitempty" yaml:"always,omitempty"`
+	// Outputs declares the output keys a step with dynamic outputs (exec)
+	// produces; expressions may only reference declared keys.
+	Outputs   []string     `json:"outputs,omitempty" yaml:"outputs,omitempty"`
+	Retry     *RetryPolicy `json:"retry,omitempty" yaml:"retry,omitempty"`
+	Timeout   Duration     `json:"timeout,omitempty" yaml:"timeout,omitempty"`
+	Heartbeat Duration     `json:"heartbeat,omitempty" yaml:"heartbeat,omitempty"`
+	TaskQueue string       `json:"task_queue,omitempty" yaml:"task_queue,omitempty"`
+}
+
+// Duration is a time.Duration written as a Go duration string ("30s", "1h30m")
+// in YAML and JSON, so specs typed into the Temporal UI stay readable.
+type Duration time.Duration
+
+// D returns the value as a time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+func (d Duration) String() string { return time.Duration(d).String() }
+
+// MarshalJSON writes the duration as a string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+// UnmarshalJSON accepts a duration string or a number of nanoseconds.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		v, err := ParseDuration(s)
+		if err != nil {
+			return err
+		}
+		*d = v
+		return nil
+	}
+	var n int64
+	if err := json.Unmarshal(b, &n); err != nil {
+		return fmt.Errorf("duration must be a string like \"30s\" or integer nanoseconds, got %s", b)
+	}
+	*d = Duration(n)
+	return nil
+}
+
+// ParseDuration parses a Go duration string and rejects negative values.
+func ParseDuration(s string) (Duration, error) {
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 1h30m)", s)
+	}
+	if v < 0 {
+		return 0, fmt.Errorf("duration %q must not be negative", s)
+	}
+	return Duration(v), nil
+}
+
+// StepByID returns the step with the given id.
+func (p *Pipeline) StepByID(id string) (*Step, bool) {
+	for i := range p.Steps {
+		if p.Steps[i].ID == id {
+			return &p.Steps[i], true
+		}
+	}
+	return nil, false
+}
