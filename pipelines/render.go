@@ -235,3 +235,40 @@ func Render(v any, env Env) (any, error) {
 		return v, nil
 	}
 }
+
+// CoerceArgs formats rendered values as text where the step type declares a
+// string-typed argument, so `env: {N: "${{ params.n }}"}` gives "4", not 4.
+func CoerceArgs(uses string, args map[string]any) {
+	t, ok := LookupStepType(uses)
+	if !ok {
+		return
+	}
+	for _, a := range t.Args {
+		v, ok := args[a.Name]
+		if !ok {
+			continue
+		}
+		switch a.Kind {
+		case KindString, KindDuration:
+			if _, isStr := v.(string); !isStr && v != nil {
+				args[a.Name] = formatValue(v)
+			}
+		case KindStringList:
+			if list, ok := v.([]any); ok {
+				for i, e := range list {
+					if _, isStr := e.(string); !isStr && e != nil {
+						list[i] = formatValue(e)
+					}
+				}
+			}
+		case KindStringMap:
+			if m, ok := v.(map[string]any); ok {
+				for k, e := range m {
+					if _, isStr := e.(string); !isStr && e != nil {
+						m[k] = formatValue(e)
+					}
+				}
+			}
+		}
+	}
+}

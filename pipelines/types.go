@@ -115,8 +115,8 @@ type RetryPolicy struct {
 
 // Step is one node of the DAG.
 type Step struct {
-	ID   string   `json:"id" yaml:"id"`
-	Uses string   `json:"uses" yaml:"uses"`
+	ID    string   `json:"id" yaml:"id"`
+	Uses  string   `json:"uses" yaml:"uses"`
 	Needs []string `json:"needs,omitempty" yaml:"needs,omitempty"`
 	// With holds the type-specific arguments; strings may contain ${{ }}
 	// expressions, rendered by the interpreter just before the step runs.
@@ -187,3 +187,31 @@ func (p *Pipeline) StepByID(id string) (*Step, bool) {
 	}
 	return nil, false
 }
+
+// ContextArg is the reserved key under which the interpreter passes a
+// step's StepContext to its activity, next to the rendered `with` values.
+const ContextArg = "context"
+
+// StepContext tells an activity which run, iteration and step it serves.
+type StepContext struct {
+	Pipeline  string `json:"pipeline"`
+	RunID     string `json:"run_id"`
+	Iteration int    `json:"iteration"`
+	StepID    string `json:"step_id"`
+	BaseDir   string `json:"base_dir,omitempty"`
+	// Outputs are the step's declared output keys (exec): missing ones fail it.
+	Outputs []string `json:"outputs,omitempty"`
+	Servers []Server `json:"servers,omitempty"`
+	// WeightTransfer is copied from the pipeline for transfer steps.
+	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty"`
+}
+
+// AttemptDetail is the first detail of every ApplicationError an activity
+// returns, so the interpreter can report which attempt failed.
+type AttemptDetail struct {
+	Attempt int `json:"attempt"`
+}
+
+// MetaAttempt is the output key under which activities report the attempt
+// that succeeded; "_"-prefixed keys are metadata, never outputs.
+const MetaAttempt = "_attempt"
