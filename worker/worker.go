@@ -1,0 +1,57 @@
+// Package worker wires rlflow's workflows and activities into Temporal
+// workers. The control worker (any host) runs the interpreter and every
+// control activity; GPU steps go to a host-specific task queue.
+//
+// Invariant: activity registration names equal the step type names in the
+// pipelines registry, so `uses: exec` reaches Activities.Exec.
+package worker
+
+import (
+	"fmt"
+
+	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/workflows"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	sdkworker "go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+)
+
+// Options configure a control worker.
+type Options struct {
+	TaskQueue string
+	Deps      activities.Deps
+	// MaxConcurrentActivities bounds steps run at once on this worker (0 = SDK default).
+	MaxConcurrentActivities int
+}
+
+// RegisterWorkflows registers the interpreter's workflows.
+func RegisterWorkflows(r sdkworker.WorkflowRegistry) {
+	r.RegisterWorkflowWithOptions(workflows.Pipeline, workflow.RegisterOptions{Name: workflows.PipelineWorkflow})
+	r.RegisterWorkflowWithOptions(workflows.Iteration, workflow.RegisterOptions{Name: workflows.IterationWorkflow})
+}
+
+// RegisterControlActivities registers every control-worker activity under
+// its step type name.
+func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activities) {
+	r.RegisterActivityWithOptions(a.Exec, activity.RegisterOptions{Name: pipelines.StepExec})
+	r.RegisterActivityWithOptions(a.Noop, activity.RegisterOptions{Name: pipelines.StepNoop})
+	r.RegisterActivityWithOptions(a.LoadPipeline, activity.RegisterOptions{Name: workflows.LoadPipelineActivity})
+}
+
+// NewControl builds (but does not start) a control worker.
+func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
+	if opts.TaskQueue == "" {
+		opts.TaskQueue = workflows.DefaultTaskQueue
+	}
+	if opts.Deps.LogDir == "" {
+		return nil, fmt.Errorf("worker: Deps.LogDir is required")
+	}
+	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
+		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
+	})
+	RegisterWorkflows(w)
+	RegisterControlActivities(w, activities.New(opts.Deps))
+	return w, nil
+}

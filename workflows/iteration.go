@@ -1,0 +1,394 @@
+package workflows
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/rlflow/rlflow/pipelines"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+)
+
+// Defaults for steps that set nothing, chosen so a forgotten timeout cannot
+// wedge a run forever yet a long trainer step is not killed early.
+const (
+	DefaultStepTimeout = 2 * time.Hour
+	DefaultMaxAttempts = 3
+)
+
+// stepRun is the interpreter's state for one step.
+type stepRun struct {
+	step   *pipelines.Step
+	result StepResult
+	future workflow.Future
+	cancel workflow.CancelFunc
+}
+
+// Iteration runs one pass over the pipeline's DAG. It fails with the first
+// real step error (naming the step) once every started step and every
+// `always` step has finished. Cancellation cancels running steps, still runs
+// `always` steps, and ends the workflow cancelled.
+func Iteration(ctx workflow.Context, in IterationInput) (*IterationResult, error) {
+	if in.Spec == nil {
+		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", "BadInput", nil)
+	}
+	it := &interpreter{in: in, paused: in.Paused}
+	for i := range in.Spec.Steps {
+		s := &in.Spec.Steps[i]
+		it.order = append(it.order, s.ID)
+		it.runs = append(it.runs, &stepRun{step: s, result: StepResult{ID: s.ID, Uses: s.Uses, Status: StatusPending}})
+	}
+	if err := workflow.SetQueryHandler(ctx, QueryProgress, it.progress); err != nil {
+		return nil, err
+	}
+	return it.run(ctx)
+}
+
+type interpreter struct {
+	in        IterationInput
+	order     []string
+	runs      []*stepRun
+	paused    bool
+	failed    error // first real step failure
+	cancelled bool
+	running   int
+}
+
+func (it *interpreter) byID(id string) *stepRun {
+	for _, r := range it.runs {
+		if r.step.ID == id {
+			return r
+		}
+	}
+	return nil
+}
+
+func (it *interpreter) progress() (Progress, error) {
+	p := Progress{Pipeline: it.in.Spec.Name, Iteration: it.in.Iteration, Paused: it.paused, Status: StatusRunning}
+	for _, r := range it.runs {
+		p.Steps = append(p.Steps, r.result)
+	}
+	if it.failed != nil {
+		p.LastError = it.failed.Error()
+	}
+	return p, nil
+}
+
+func terminal(status string) bool {
+	switch status {
+	case StatusSucceeded, StatusFailed, StatusSkipped, StatusCancelled:
+		return true
+	}
+	return false
+}
+
+func (it *interpreter) env() pipelines.Env {
+	steps := make(map[string]pipelines.StepState, len(it.runs))
+	for _, r := range it.runs {
+		if terminal(r.result.Status) {
+			steps[r.step.ID] = pipelines.StepState{Status: r.result.Status, Outputs: r.result.Outputs}
+		}
+	}
+	return pipelines.Env{Params: it.in.Params, Steps: steps, Iteration: it.in.Iteration}
+}
+
+func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
+	pauseCh := workflow.GetSignalChannel(ctx, SignalPause)
+	resumeCh := workflow.GetSignalChannel(ctx, SignalResume)
+	// Steps run in a context we cancel ourselves on fail-fast; `always` steps
+	// run in a disconnected one so that neither fail-fast nor workflow
+	// cancellation stops them (they resume vLLM, clean up).
+	stepsCtx, cancelSteps := workflow.WithCancel(ctx)
+	defer cancelSteps()
+	alwaysCtx, cancelAlways := workflow.NewDisconnectedContext(ctx)
+	defer cancelAlways()
+
+	for {
+		if !it.cancelled && ctx.Err() != nil {
+			it.cancelled = true
+			cancelSteps()
+		}
+		it.schedule(ctx, stepsCtx, alwaysCtx)
+		if it.running == 0 {
+			break
+		}
+		sel := workflow.NewSelector(ctx)
+		for _, r := range it.runs {
+			if r.future == nil || r.result.Status != StatusRunning {
+				continue
+			}
+			r := r
+			sel.AddFuture(r.future, func(f workflow.Future) { it.finish(ctx, r, f) })
+		}
+		sel.AddReceive(pauseCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil); it.paused = true })
+		sel.AddReceive(resumeCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil); it.paused = false })
+		if !it.cancelled {
+			sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
+		}
+		sel.Select(ctx)
+		if it.failed != nil {
+			cancelSteps() // fail-fast: running siblings are cancelled
+		}
+		if it.running == 0 && it.paused && !it.cancelled && it.failed == nil && it.pendingCount() > 0 {
+			// Paused between steps: wait for resume or cancellation.
+			it.waitWhilePaused(ctx, pauseCh, resumeCh)
+		}
+	}
+	res := &IterationResult{Iteration: it.in.Iteration}
+	for _, r := range it.runs {
+		res.Steps = append(res.Steps, r.result)
+	}
+	if it.cancelled {
+		return res, temporal.NewCanceledError("iteration cancelled")
+	}
+	if it.failed != nil {
+		return res, it.failed
+	}
+	return res, nil
+}
+
+func (it *interpreter) pendingCount() int {
+	n := 0
+	for _, r := range it.runs {
+		if r.result.Status == StatusPending {
+			n++
+		}
+	}
+	return n
+}
+
+func (it *interpreter) waitWhilePaused(ctx workflow.Context, pauseCh, resumeCh workflow.ReceiveChannel) {
+	for it.paused && ctx.Err() == nil {
+		sel := workflow.NewSelector(ctx)
+		sel.AddReceive(pauseCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil) })
+		sel.AddReceive(resumeCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil); it.paused = false })
+		sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
+		sel.Select(ctx)
+	}
+	if ctx.Err() != nil {
+		it.cancelled = true
+	}
+}
+
+// schedule starts every step that is ready, in file order, within
+// max_parallel, and settles steps that can never run.
+func (it *interpreter) schedule(ctx, stepsCtx, alwaysCtx workflow.Context) {
+	stopping := it.failed != nil || it.cancelled
+	for changed := true; changed; {
+		changed = false
+		for _, r := range it.runs {
+			if r.result.Status != StatusPending {
+				continue
+			}
+			ready, allOK, why := it.needsState(r.step)
+			if !ready {
+				continue
+			}
+			if stopping && !r.step.Always {
+				r.result.Status, r.result.Reason = StatusSkipped, stopReason(it)
+				changed = true
+				continue
+			}
+			if !allOK && !r.step.Always {
+				r.result.Status, r.result.Reason = StatusSkipped, why
+				changed = true
+				continue
+			}
+			if it.paused && !stopping {
+				continue
+			}
+			if max := it.in.Spec.MaxParallel; max > 0 && it.running >= max {
+				continue
+			}
+			env := it.env()
+			if r.step.When != "" {
+				ok, err := pipelines.EvalCondition(r.step.When, env)
+				if err != nil {
+					it.fail(r, fmt.Errorf("when: %w", err))
+					changed, stopping = true, true
+					continue
+				}
+				if !ok {
+					r.result.Status, r.result.Reason = StatusSkipped, "when is false"
+					changed = true
+					continue
+				}
+			}
+			actCtx := stepsCtx
+			if r.step.Always {
+				actCtx = alwaysCtx
+			}
+			if err := it.start(ctx, actCtx, r, env); err != nil {
+				it.fail(r, err)
+				changed, stopping = true, true
+				continue
+			}
+			changed = true
+		}
+	}
+}
+
+func stopReason(it *interpreter) string {
+	if it.cancelled {
+		return "run cancelled"
+	}
+	return "an earlier step failed"
+}
+
+// needsState reports whether every need is terminal, whether all of them
+// succeeded, and if not, why.
+func (it *interpreter) needsState(s *pipelines.Step) (ready, allOK bool, why string) {
+	allOK = true
+	for _, n := range s.Needs {
+		r := it.byID(n)
+		if r == nil {
+			return false, false, "" // Load rejects this; never start such a step
+		}
+		if !terminal(r.result.Status) {
+			return false, false, ""
+		}
+		if r.result.Status != StatusSucceeded && allOK {
+			allOK, why = false, fmt.Sprintf("needs %s, which %s", n, r.result.Status)
+		}
+	}
+	return true, allOK, why
+}
+
+func (it *interpreter) fail(r *stepRun, err error) {
+	r.result.Status = StatusFailed
+	r.result.Error = err.Error()
+	if it.failed == nil {
+		it.failed = temporal.NewNonRetryableApplicationError(
+			fmt.Sprintf("iteration %d: step %s (%s) failed: %s", it.in.Iteration, r.step.ID, r.step.Uses, err.Error()),
+			"StepFailed", nil)
+	}
+}
+
+func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipelines.Env) error {
+	s := r.step
+	args := map[string]any{}
+	if len(s.With) > 0 {
+		rendered, err := pipelines.Render(s.With, env)
+		if err != nil {
+			return fmt.Errorf("with: %w", err)
+		}
+		args = rendered.(map[string]any)
+		pipelines.CoerceArgs(s.Uses, args)
+	}
+	spec := it.in.Spec
+	args[pipelines.ContextArg] = pipelines.StepContext{
+		Pipeline: spec.Name, RunID: it.in.RunID, Iteration: it.in.Iteration, StepID: s.ID,
+		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: spec.Servers, WeightTransfer: spec.WeightTransfer,
+	}
+	opts := activityOptions(spec, s)
+	cctx, cancel := workflow.WithCancel(actCtx)
+	cctx = workflow.WithActivityOptions(cctx, opts)
+	r.future = workflow.ExecuteActivity(cctx, s.Uses, args)
+	r.cancel = cancel
+	r.result.Status = StatusRunning
+	it.running++
+	return nil
+}
+
+func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Future) {
+	it.running--
+	r.cancel()
+	var out map[string]any
+	err := f.Get(ctx, &out)
+	if err == nil {
+		r.result.Status = StatusSucceeded
+		r.result.Outputs, r.result.Attempts = splitMeta(out)
+		return
+	}
+	r.result.Attempts = attemptOf(err)
+	if temporal.IsCanceledError(err) {
+		r.result.Status = StatusCancelled
+		r.result.Error = "cancelled"
+		return
+	}
+	// err is an ActivityError; its cause carries the activity's own message.
+	cause := errors.Unwrap(err)
+	if cause == nil {
+		cause = err
+	}
+	it.fail(r, cause)
+}
+
+// splitMeta separates the reserved "_"-prefixed keys (metadata such as the
+// attempt number) from a step's outputs.
+func splitMeta(out map[string]any) (map[string]any, int) {
+	attempt := 0
+	if v, ok := out[pipelines.MetaAttempt].(float64); ok {
+		attempt = int(v)
+	}
+	keys := make([]string, 0, len(out))
+	for k := range out {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	clean := make(map[string]any, len(out))
+	for _, k := range keys {
+		if !strings.HasPrefix(k, "_") {
+			clean[k] = out[k]
+		}
+	}
+	return clean, attempt
+}
+
+func attemptOf(err error) int {
+	var app *temporal.ApplicationError
+	if errors.As(err, &app) && app.HasDetails() {
+		var d pipelines.AttemptDetail
+		if app.Details(&d) == nil {
+			return d.Attempt
+		}
+	}
+	return 0
+}
+
+// activityOptions turns a step's YAML settings (falling back to the
+// pipeline defaults) into Temporal activity options.
+func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.ActivityOptions {
+	timeout := s.Timeout.D()
+	if timeout == 0 {
+		timeout = p.Defaults.Timeout.D()
+	}
+	if timeout == 0 {
+		timeout = DefaultStepTimeout
+	}
+	heartbeat := s.Heartbeat.D()
+	if heartbeat == 0 {
+		heartbeat = p.Defaults.Heartbeat.D()
+	}
+	queue := s.TaskQueue
+	if queue == "" {
+		queue = p.Defaults.TaskQueue
+	}
+	retry := s.Retry
+	if retry == nil {
+		retry = p.Defaults.Retry
+	}
+	rp := &temporal.RetryPolicy{MaximumAttempts: DefaultMaxAttempts}
+	if retry != nil {
+		rp = &temporal.RetryPolicy{
+			InitialInterval:        retry.InitialInterval.D(),
+			BackoffCoefficient:     retry.Backoff,
+			MaximumInterval:        retry.MaxInterval.D(),
+			MaximumAttempts:        int32(retry.MaxAttempts),
+			NonRetryableErrorTypes: retry.NonRetryable,
+		}
+	}
+	return workflow.ActivityOptions{
+		ActivityID:          s.ID,
+		TaskQueue:           queue,
+		StartToCloseTimeout: timeout,
+		HeartbeatTimeout:    heartbeat,
+		RetryPolicy:         rp,
+		// Wait for the activity to acknowledge cancellation, so an `always`
+		// step (resume vLLM) never starts while a cancelled one still runs.
+		WaitForCancellation: true,
+	}
+}

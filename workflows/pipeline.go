@@ -1,0 +1,257 @@
+package workflows
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/rlflow/rlflow/pipelines"
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+)
+
+// RecentIterations bounds how many iteration summaries a run carries (and
+// returns): enough to read a trend, small enough for any payload limit.
+const RecentIterations = 10
+
+// Pipeline runs a pipeline's loop: one Iteration child workflow per
+// iteration, `until` checked after each, continue-as-new every
+// Loop.ContinueAsNewEvery iterations.
+func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
+	logger := workflow.GetLogger(ctx)
+	if in.Spec == nil {
+		if in.SpecPath == "" {
+			return nil, temporal.NewNonRetryableApplicationError("pipeline input needs spec or spec_path", "BadInput", nil)
+		}
+		lctx := workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
+			StartToCloseTimeout: time.Minute,
+			RetryPolicy:         &temporal.RetryPolicy{MaximumAttempts: 3},
+		})
+		if err := workflow.ExecuteActivity(lctx, LoadPipelineActivity, in.SpecPath).Get(ctx, &in.Spec); err != nil {
+			return nil, fmt.Errorf("loading %s: %w", in.SpecPath, err)
+		}
+		in.SpecPath = ""
+	}
+	spec := in.Spec
+	params, err := spec.ResolveParamValues(in.Params)
+	if err != nil {
+		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
+	}
+	in.Params = params
+
+	r := &pipelineRun{in: in, status: StatusRunning}
+	if err := workflow.SetQueryHandler(ctx, QueryProgress, r.progress); err != nil {
+		return nil, err
+	}
+	pauseCh := workflow.GetSignalChannel(ctx, SignalPause)
+	resumeCh := workflow.GetSignalChannel(ctx, SignalResume)
+	r.upsert(ctx)
+
+	every := spec.Loop.ContinueAsNewEvery
+	if every <= 0 {
+		every = pipelines.DefaultContinueAsNewEvery
+	}
+	limit := spec.Loop.Iterations
+	stoppedBy := "iterations"
+	if spec.Loop.Until != "" {
+		limit, stoppedBy = spec.Loop.MaxIterations, "max_iterations"
+	}
+	if limit <= 0 {
+		limit = 1
+	}
+	ranHere := 0
+	for iter := max(in.NextIteration, 1); iter <= limit; iter++ {
+		if ranHere >= every {
+			r.in.NextIteration = iter
+			r.drainSignals(pauseCh, resumeCh)
+			logger.Info("continuing as new", "next_iteration", iter)
+			return nil, workflow.NewContinueAsNewError(ctx, PipelineWorkflow, r.in)
+		}
+		r.drainSignals(pauseCh, resumeCh)
+		if r.in.Paused {
+			r.status = "paused"
+			r.upsert(ctx)
+			if err := r.waitResume(ctx, pauseCh, resumeCh); err != nil {
+				return nil, err
+			}
+			r.status = StatusRunning
+		}
+		r.iteration = iter
+		r.upsert(ctx)
+		sum, err := r.runIteration(ctx, iter, pauseCh, resumeCh)
+		ranHere++
+		r.record(sum)
+		if err != nil {
+			r.lastError = err.Error()
+			if temporal.IsCanceledError(err) || ctx.Err() != nil {
+				r.status = StatusCancelled
+				r.upsertDisconnected(ctx)
+				return nil, temporal.NewCanceledError(fmt.Sprintf("cancelled during iteration %d", iter))
+			}
+			r.status = StatusFailed
+			r.upsert(ctx)
+			return nil, err
+		}
+		if spec.Loop.Until != "" {
+			done, err := pipelines.EvalCondition(spec.Loop.Until, r.untilEnv(sum))
+			if err != nil {
+				r.status = StatusFailed
+				r.upsert(ctx)
+				return nil, temporal.NewNonRetryableApplicationError(fmt.Sprintf("iteration %d: loop.until: %v", iter, err), "BadInput", nil)
+			}
+			if done {
+				stoppedBy = "until"
+				break
+			}
+		}
+	}
+	r.status = StatusSucceeded
+	r.upsert(ctx)
+	return &PipelineResult{Pipeline: spec.Name, Iterations: r.done, StoppedBy: stoppedBy, Recent: r.in.Recent}, nil
+}
+
+type pipelineRun struct {
+	in        PipelineInput
+	iteration int
+	done      int
+	status    string
+	child     string
+	lastError string
+}
+
+func (r *pipelineRun) progress() (Progress, error) {
+	return Progress{
+		Pipeline: r.in.Spec.Name, Iteration: r.iteration, IterationsDone: r.done,
+		Paused: r.in.Paused, Status: r.status, Child: r.child, LastError: r.lastError,
+	}, nil
+}
+
+func (r *pipelineRun) record(sum IterationSummary) {
+	if sum.Status == StatusSucceeded {
+		r.done = sum.Iteration
+	}
+	r.in.Recent = append(r.in.Recent, sum)
+	if len(r.in.Recent) > RecentIterations {
+		r.in.Recent = r.in.Recent[len(r.in.Recent)-RecentIterations:]
+	}
+}
+
+// untilEnv exposes the finished iteration's steps to loop.until.
+func (r *pipelineRun) untilEnv(sum IterationSummary) pipelines.Env {
+	steps := map[string]pipelines.StepState{}
+	for id, outs := range sum.Outputs {
+		steps[id] = pipelines.StepState{Status: StatusSucceeded, Outputs: outs}
+	}
+	return pipelines.Env{Params: r.in.Params, Steps: steps, Iteration: sum.Iteration}
+}
+
+func (r *pipelineRun) drainSignals(pauseCh, resumeCh workflow.ReceiveChannel) {
+	for {
+		switch {
+		case pauseCh.ReceiveAsync(nil):
+			r.in.Paused = true
+		case resumeCh.ReceiveAsync(nil):
+			r.in.Paused = false
+		default:
+			return
+		}
+	}
+}
+
+func (r *pipelineRun) waitResume(ctx workflow.Context, pauseCh, resumeCh workflow.ReceiveChannel) error {
+	for r.in.Paused {
+		sel := workflow.NewSelector(ctx)
+		sel.AddReceive(pauseCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil) })
+		sel.AddReceive(resumeCh, func(c workflow.ReceiveChannel, _ bool) { c.Receive(ctx, nil); r.in.Paused = false })
+		sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
+		sel.Select(ctx)
+		if ctx.Err() != nil {
+			r.status = StatusCancelled
+			r.upsertDisconnected(ctx)
+			return temporal.NewCanceledError("cancelled while paused")
+		}
+	}
+	return nil
+}
+
+// runIteration runs one child workflow, forwarding pause/resume to it.
+func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resumeCh workflow.ReceiveChannel) (IterationSummary, error) {
+	info := workflow.GetInfo(ctx)
+	id := fmt.Sprintf("%s/iter-%d", info.WorkflowExecution.ID, iter)
+	r.child = id
+	cctx := workflow.WithChildOptions(ctx, workflow.ChildWorkflowOptions{
+		WorkflowID: id,
+		TaskQueue:  info.TaskQueueName,
+		// Cancelling the parent (or terminating it) asks the child to cancel,
+		// so its `always` steps still run.
+		WaitForCancellation: true,
+		ParentClosePolicy:   enumspb.PARENT_CLOSE_POLICY_REQUEST_CANCEL,
+	})
+	fut := workflow.ExecuteChildWorkflow(cctx, IterationWorkflow, IterationInput{
+		Spec: r.in.Spec, Params: r.in.Params, Iteration: iter, RunID: info.WorkflowExecution.ID, Paused: r.in.Paused,
+	})
+	var res IterationResult
+	var err error
+	for done := false; !done; {
+		sel := workflow.NewSelector(ctx)
+		sel.AddFuture(fut, func(f workflow.Future) { err = f.Get(ctx, &res); done = true })
+		sel.AddReceive(pauseCh, func(c workflow.ReceiveChannel, _ bool) {
+			c.Receive(ctx, nil)
+			r.in.Paused = true
+			fut.SignalChildWorkflow(ctx, SignalPause, nil)
+		})
+		sel.AddReceive(resumeCh, func(c workflow.ReceiveChannel, _ bool) {
+			c.Receive(ctx, nil)
+			r.in.Paused = false
+			fut.SignalChildWorkflow(ctx, SignalResume, nil)
+		})
+		sel.Select(ctx)
+	}
+	sum := IterationSummary{Iteration: iter, WorkflowID: id, Status: StatusSucceeded, Outputs: map[string]map[string]any{}}
+	for _, s := range res.Steps {
+		if s.Status == StatusSucceeded && len(s.Outputs) > 0 {
+			sum.Outputs[s.ID] = s.Outputs
+		}
+	}
+	if err != nil {
+		sum.Status = StatusFailed
+		if temporal.IsCanceledError(err) {
+			sum.Status = StatusCancelled
+		}
+		var cerr *temporal.ChildWorkflowExecutionError
+		if errors.As(err, &cerr) {
+			if cause := errors.Unwrap(cerr); cause != nil {
+				if temporal.IsCanceledError(cause) {
+					return sum, cause
+				}
+				return sum, temporal.NewNonRetryableApplicationError(cause.Error(), "IterationFailed", nil)
+			}
+		}
+	}
+	return sum, err
+}
+
+func (r *pipelineRun) searchUpdates() []temporal.SearchAttributeUpdate {
+	return []temporal.SearchAttributeUpdate{
+		SearchPipeline.ValueSet(r.in.Spec.Name),
+		SearchIteration.ValueSet(int64(r.iteration)),
+		SearchStatus.ValueSet(r.status),
+	}
+}
+
+func (r *pipelineRun) upsert(ctx workflow.Context) {
+	if !r.in.SearchAttributes {
+		return
+	}
+	if err := workflow.UpsertTypedSearchAttributes(ctx, r.searchUpdates()...); err != nil {
+		workflow.GetLogger(ctx).Warn("upserting search attributes", "error", err)
+	}
+}
+
+// upsertDisconnected records the final status even though ctx is cancelled.
+func (r *pipelineRun) upsertDisconnected(ctx workflow.Context) {
+	dctx, cancel := workflow.NewDisconnectedContext(ctx)
+	defer cancel()
+	r.upsert(dctx)
+}

@@ -1,0 +1,144 @@
+// Package workflows is rlflow's deterministic pipeline interpreter.
+//
+// Pipeline is the long-running parent: it owns the loop, starts one Iteration
+// child workflow per iteration, evaluates `until`, and continues as new every
+// Loop.ContinueAsNewEvery iterations so that its history stays bounded.
+// Iteration runs one pass over the step DAG, calling activities by their
+// registered name (the step's `uses`).
+//
+// Invariants: workflow code here never performs I/O, never reads the clock
+// or randomness except through the workflow API, and iterates maps only in
+// sorted order. It imports activity names and I/O shapes, never activity
+// implementations. Payloads carry paths, ids and small metrics only.
+package workflows
+
+import (
+	"github.com/rlflow/rlflow/pipelines"
+	"go.temporal.io/sdk/temporal"
+)
+
+// Registered names. They are part of rlflow's public interface: the Temporal
+// UI's "start workflow" form, schedules and replay histories refer to them.
+const (
+	PipelineWorkflow  = "rlflow.Pipeline"
+	IterationWorkflow = "rlflow.Iteration"
+
+	// QueryProgress answers a Progress on both workflows.
+	QueryProgress = "progress"
+	// SignalPause stops new steps (and iterations) from starting; running
+	// steps finish. SignalResume undoes it. Cancellation is Temporal's own
+	// (rlflow cancel, or the UI's cancel button): running steps are cancelled
+	// and `always` steps still run.
+	SignalPause  = "pause"
+	SignalResume = "resume"
+
+	// LoadPipelineActivity loads and validates a pipeline file on the worker,
+	// for runs started with a spec_path (from the Temporal UI, say).
+	LoadPipelineActivity = "load_pipeline"
+
+	// DefaultTaskQueue is the control worker's task queue.
+	DefaultTaskQueue = "rlflow"
+)
+
+// Search attributes set on pipeline runs so they can be filtered in the UI.
+var (
+	SearchPipeline  = temporal.NewSearchAttributeKeyKeyword("RlflowPipeline")
+	SearchIteration = temporal.NewSearchAttributeKeyInt64("RlflowIteration")
+	SearchStatus    = temporal.NewSearchAttributeKeyKeyword("RlflowStatus")
+)
+
+// SearchAttributeTypes lists the search attributes a namespace must have
+// registered (name -> Temporal type name) before runs set them.
+var SearchAttributeTypes = map[string]string{
+	"RlflowPipeline":  "Keyword",
+	"RlflowIteration": "Int",
+	"RlflowStatus":    "Keyword",
+}
+
+// PipelineInput starts a pipeline run. Exactly one of Spec or SpecPath is set
+// by a caller; the continue-as-new fields are rlflow's own.
+type PipelineInput struct {
+	Spec *pipelines.Pipeline `json:"spec,omitempty"`
+	// SpecPath is a pipeline file the worker can read; it is loaded once, by
+	// an activity, and frozen in history from then on.
+	SpecPath string `json:"spec_path,omitempty"`
+	// Params are launch values (JSON types); missing ones take defaults.
+	Params map[string]any `json:"params,omitempty"`
+	// SearchAttributes enables upserting the Rlflow* search attributes; the
+	// starter sets it after checking the namespace has them registered.
+	SearchAttributes bool `json:"search_attributes,omitempty"`
+
+	// Carried across continue-as-new.
+	NextIteration int                `json:"next_iteration,omitempty"`
+	Paused        bool               `json:"paused,omitempty"`
+	Recent        []IterationSummary `json:"recent,omitempty"`
+}
+
+// PipelineResult is the outcome of a finished run.
+type PipelineResult struct {
+	Pipeline   string             `json:"pipeline"`
+	Iterations int                `json:"iterations"`
+	StoppedBy  string             `json:"stopped_by"` // "iterations", "until", "max_iterations"
+	Recent     []IterationSummary `json:"recent,omitempty"`
+}
+
+// IterationInput runs one iteration of the DAG.
+type IterationInput struct {
+	Spec      *pipelines.Pipeline `json:"spec"`
+	Params    map[string]any      `json:"params,omitempty"`
+	Iteration int                 `json:"iteration"`
+	// RunID is the parent pipeline's workflow id: it names log directories and
+	// lets steps group state (a transfer group) per pipeline run.
+	RunID  string `json:"run_id"`
+	Paused bool   `json:"paused,omitempty"`
+}
+
+// IterationResult lists every step's final state, in file order.
+type IterationResult struct {
+	Iteration int          `json:"iteration"`
+	Steps     []StepResult `json:"steps"`
+}
+
+// IterationSummary is what the parent keeps of a finished iteration: small.
+type IterationSummary struct {
+	Iteration  int                       `json:"iteration"`
+	WorkflowID string                    `json:"workflow_id"`
+	Status     string                    `json:"status"`
+	Outputs    map[string]map[string]any `json:"outputs,omitempty"`
+}
+
+// Step states.
+const (
+	StatusPending   = "pending"
+	StatusRunning   = "running"
+	StatusSucceeded = "succeeded"
+	StatusFailed    = "failed"
+	StatusSkipped   = "skipped"
+	StatusCancelled = "cancelled"
+)
+
+// StepResult is one step's state, as the progress query and results show it.
+type StepResult struct {
+	ID      string         `json:"id"`
+	Uses    string         `json:"uses"`
+	Status  string         `json:"status"`
+	Outputs map[string]any `json:"outputs,omitempty"`
+	// Attempts is the attempt that produced the final result (0 = unknown,
+	// e.g. a timeout, whose attempt Temporal does not report back).
+	Attempts int    `json:"attempts,omitempty"`
+	Error    string `json:"error,omitempty"`
+	Reason   string `json:"reason,omitempty"` // why a step was skipped
+}
+
+// Progress answers QueryProgress.
+type Progress struct {
+	Pipeline string `json:"pipeline"`
+	// Iteration is the iteration running now (or last run, when done).
+	Iteration      int          `json:"iteration"`
+	IterationsDone int          `json:"iterations_done"`
+	Paused         bool         `json:"paused"`
+	Status         string       `json:"status"`
+	Child          string       `json:"child,omitempty"` // running iteration's workflow id
+	Steps          []StepResult `json:"steps,omitempty"` // iteration workflows only
+	LastError      string       `json:"last_error,omitempty"`
+}
