@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/workflows"
+	"github.com/spf13/cobra"
+	"go.temporal.io/sdk/client"
+	"golang.org/x/term"
+)
+
+func parseParamFlags(flags []string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, f := range flags {
+		k, v, ok := strings.Cut(f, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("-p %q: want name=value", f)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+func loadWithParams(path string, flags []string) (*pipelines.Pipeline, map[string]any, error) {
+	p, err := pipelines.LoadFile(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	raw, err := parseParamFlags(flags)
+	if err != nil {
+		return nil, nil, err
+	}
+	params, err := p.ResolveParams(raw)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: params: %w", path, err)
+	}
+	return p, params, nil
+}
+
+func newRunCmd(g *globalFlags) *cobra.Command {
+	var params []string
+	var wait bool
+	var id, ui string
+	cmd := &cobra.Command{
+		Use:   "run FILE",
+		Short: "Start a pipeline run (with --wait: follow it live and exit with its outcome)",
+		Long: `Run validates FILE, resolves -p name=value parameters against its params, and
+starts a run on the Temporal cluster (--address). The spec is frozen into the
+run's input: editing the file later does not change the run. A control worker
+(rlflow worker, or rlflow dev) must serve --task-queue, on a host that sees the
+same paths as the pipeline's base_dir.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			spec, values, err := loadWithParams(args[0], params)
+			if err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			return startAndFollow(ctx, c, g, spec, values, id, ui, wait, cmd.OutOrStdout())
+		},
+	}
+	f := cmd.Flags()
+	f.StringArrayVarP(&params, "param", "p", nil, "parameter name=value (repeatable)")
+	f.BoolVar(&wait, "wait", false, "follow the run until it ends; exit 1 if it fails")
+	f.StringVar(&id, "id", "", "workflow id for the run (default: <name>-<time>-<random>)")
+	f.StringVar(&ui, "ui", envOr("RLFLOW_UI", "http://localhost:8233"), "Temporal UI base URL for printed links (env RLFLOW_UI)")
+	return cmd
+}
+
+func startAndFollow(ctx context.Context, c client.Client, g *globalFlags, spec *pipelines.Pipeline, params map[string]any, id, ui string, wait bool, out io.Writer) error {
+	sa, saErr := launch.EnsureSearchAttributes(ctx, c, g.namespace)
+	if saErr != nil {
+		fmt.Fprintf(os.Stderr, "warning: search attributes unavailable, runs will not be filterable by pipeline: %v\n", saErr)
+	}
+	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: g.taskQueue, ID: id, SearchAttributes: sa})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "started %s\n  workflow id: %s\n  run id:      %s\n  ui:          %s\n", spec.Name, run.GetID(), run.GetRunID(),
+		launch.UIURL(ui, g.namespace, run.GetID(), run.GetRunID()))
+	if !wait {
+		return nil
+	}
+	var bar io.Writer
+	if term.IsTerminal(int(os.Stderr.Fd())) {
+		bar = os.Stderr
+	}
+	total := spec.Loop.Iterations
+	if spec.Loop.Until != "" {
+		total = spec.Loop.MaxIterations
+	}
+	res, err := launch.Watch(ctx, c, run, launch.WatchOptions{Out: out, Bar: bar, Total: total})
+	if err != nil {
+		return &exitError{code: 1, err: fmt.Errorf("run %s failed: %w", run.GetID(), err)}
+	}
+	fmt.Fprintf(out, "run %s succeeded: %d iteration(s), stopped by %s\n", run.GetID(), res.Iterations, res.StoppedBy)
+	return nil
+}
+
+func newStatusCmd(g *globalFlags) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status RUN_ID",
+		Short: "Show a run's iteration, each step's state, attempts and last error",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			st, err := launch.GetStatus(ctx, c, args[0], "")
+			if err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), st)
+			}
+			launch.PrintStatus(cmd.OutOrStdout(), st)
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newCancelCmd(g *globalFlags) *cobra.Command {
+	return &cobra.Command{
+		Use:   "cancel RUN_ID",
+		Short: "Cancel a run: running steps are cancelled, `always` steps still run",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := c.CancelWorkflow(ctx, args[0], ""); err != nil {
+				return &exitError{code: 1, err: fmt.Errorf("cancelling %s: %w", args[0], err)}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "cancellation requested for %s\n", args[0])
+			return nil
+		},
+	}
+}
+
+func newSignalCmd(g *globalFlags, name, short string) *cobra.Command {
+	signal := map[string]string{"pause": workflows.SignalPause, "resume": workflows.SignalResume}[name]
+	return &cobra.Command{
+		Use:   name + " RUN_ID",
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := c.SignalWorkflow(ctx, args[0], "", signal, nil); err != nil {
+				return &exitError{code: 1, err: fmt.Errorf("%s %s: %w", name, args[0], err)}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s sent to %s\n", name, args[0])
+			return nil
+		},
+	}
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/rlflow/rlflow/launch"
+	"github.com/spf13/cobra"
+)
+
+func newScheduleCmd(g *globalFlags) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "schedule",
+		Short: "Manage Temporal Schedules that start pipeline runs (visible in the Temporal UI)",
+	}
+	var params, cron []string
+	var every time.Duration
+	var allowOverlap, paused bool
+	create := &cobra.Command{
+		Use:   "create SCHEDULE_ID FILE",
+		Short: "Create a schedule; its runs use the spec and params frozen now",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			spec, values, err := loadWithParams(args[1], params)
+			if err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			sa, _ := launch.EnsureSearchAttributes(ctx, c, g.namespace)
+			if err := launch.CreateSchedule(ctx, c, launch.ScheduleOptions{
+				ID: args[0], Spec: spec, Params: values, Cron: cron, Every: every, TaskQueue: g.taskQueue,
+				AllowOverlap: allowOverlap, Paused: paused, SearchAttributes: sa,
+			}); err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s created for pipeline %s\n", args[0], spec.Name)
+			return nil
+		},
+	}
+	f := create.Flags()
+	f.StringArrayVarP(&params, "param", "p", nil, "parameter name=value (repeatable)")
+	f.StringArrayVar(&cron, "cron", nil, `cron expression, e.g. "0 3 * * *" (repeatable)`)
+	f.DurationVar(&every, "every", 0, "start a run at this interval, e.g. 6h")
+	f.BoolVar(&allowOverlap, "allow-overlap", false, "start a run even while the previous one still runs (default: skip)")
+	f.BoolVar(&paused, "paused", false, "create the schedule paused")
+
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List schedules",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			items, err := launch.ListSchedules(ctx, c)
+			if err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 2, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tPAUSED\tNEXT\tRECENT RUNS\tNOTE")
+			for _, s := range items {
+				next := "-"
+				if !s.Next.IsZero() {
+					next = s.Next.UTC().Format(time.RFC3339)
+				}
+				fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\n", s.ID, s.Paused, next, strings.Join(s.Recent, ","), s.Summary)
+			}
+			return tw.Flush()
+		},
+	}
+	del := &cobra.Command{
+		Use:   "delete SCHEDULE_ID",
+		Short: "Delete a schedule (runs it started go on)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := launch.DeleteSchedule(ctx, c, args[0]); err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s deleted\n", args[0])
+			return nil
+		},
+	}
+	trigger := &cobra.Command{
+		Use:   "trigger SCHEDULE_ID",
+		Short: "Start a run of the schedule now",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := launch.TriggerSchedule(ctx, c, args[0]); err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s triggered\n", args[0])
+			return nil
+		},
+	}
+	cmd.AddCommand(create, list, del, trigger)
+	return cmd
+}

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/worker"
+	"github.com/spf13/cobra"
+)
+
+func newWorkerCmd(g *globalFlags) *cobra.Command {
+	var logDir string
+	var maxActivities int
+	cmd := &cobra.Command{
+		Use:   "worker",
+		Short: "Run a control worker: the pipeline interpreter and the control step types",
+		Long: `Worker serves --task-queue on the Temporal cluster at --address: it runs the
+rlflow.Pipeline and rlflow.Iteration workflows and the control activities
+(exec, noop, load_pipeline, ...). Run as many as you like; Temporal spreads
+steps over them and retries a dead worker's steps on a live one.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			abs, err := filepath.Abs(logDir)
+			if err != nil {
+				return err
+			}
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			w, err := worker.NewControl(c, worker.Options{
+				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs}, MaxConcurrentActivities: maxActivities,
+			})
+			if err != nil {
+				return err
+			}
+			if err := w.Start(); err != nil {
+				return fmt.Errorf("starting worker: %w", err)
+			}
+			slog.New(slog.NewTextHandler(os.Stderr, nil)).Info("rlflow worker running",
+				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "pid", os.Getpid())
+			<-ctx.Done()
+			w.Stop()
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&logDir, "log-dir", envOr("RLFLOW_LOG_DIR", ".rlflow/logs"), "directory for per-attempt step logs (env RLFLOW_LOG_DIR)")
+	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
+	return cmd
+}

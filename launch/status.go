@@ -1,0 +1,169 @@
+package launch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/rlflow/rlflow/workflows"
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/api/serviceerror"
+	"go.temporal.io/sdk/client"
+)
+
+// StepView is one step as `status` shows it: the interpreter's state merged
+// with Temporal's live view of a running activity (attempt, last failure).
+type StepView struct {
+	workflows.StepResult
+	LastFailure string `json:"last_failure,omitempty"`
+}
+
+// RunStatus is everything `rlflow status` prints about a run.
+type RunStatus struct {
+	WorkflowID string             `json:"workflow_id"`
+	RunID      string             `json:"run_id"`
+	Execution  string             `json:"execution"` // Temporal's status: Running, Completed, Failed, ...
+	Progress   workflows.Progress `json:"progress"`
+	Steps      []StepView         `json:"steps,omitempty"`
+	// ProgressErr is set when the workflow could not be queried (no worker).
+	ProgressErr string `json:"progress_error,omitempty"`
+}
+
+// Done reports whether the run has closed.
+func (s *RunStatus) Done() bool { return s.Execution != "" && s.Execution != "Running" }
+
+// GetStatus collects a run's status; runID may be empty (latest run).
+func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (*RunStatus, error) {
+	desc, err := c.DescribeWorkflowExecution(ctx, workflowID, runID)
+	if err != nil {
+		var nf *serviceerror.NotFound
+		if errors.As(err, &nf) {
+			return nil, fmt.Errorf("no run with id %q", workflowID)
+		}
+		return nil, fmt.Errorf("describing %s: %w", workflowID, err)
+	}
+	info := desc.GetWorkflowExecutionInfo()
+	st := &RunStatus{
+		WorkflowID: workflowID,
+		RunID:      info.GetExecution().GetRunId(),
+		Execution:  executionName(info.GetStatus()),
+	}
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := query(qctx, c, workflowID, st.RunID, &st.Progress); err != nil {
+		st.ProgressErr = err.Error()
+		return st, nil
+	}
+	if st.Progress.Child == "" {
+		return st, nil
+	}
+	var child workflows.Progress
+	if err := query(qctx, c, st.Progress.Child, "", &child); err != nil {
+		return st, nil // the child may not have started yet
+	}
+	pending := map[string]StepView{}
+	if cd, err := c.DescribeWorkflowExecution(qctx, st.Progress.Child, ""); err == nil {
+		for _, pa := range cd.GetPendingActivities() {
+			pending[pa.GetActivityId()] = StepView{
+				StepResult:  workflows.StepResult{Attempts: int(pa.GetAttempt())},
+				LastFailure: pa.GetLastFailure().GetMessage(),
+			}
+		}
+	}
+	for _, s := range child.Steps {
+		v := StepView{StepResult: s}
+		if p, ok := pending[s.ID]; ok && s.Status == workflows.StatusRunning {
+			v.Attempts, v.LastFailure = p.Attempts, p.LastFailure
+		}
+		st.Steps = append(st.Steps, v)
+	}
+	if child.LastError != "" && st.Progress.LastError == "" {
+		st.Progress.LastError = child.LastError
+	}
+	return st, nil
+}
+
+func query(ctx context.Context, c client.Client, id, runID string, out any) error {
+	v, err := c.QueryWorkflow(ctx, id, runID, workflows.QueryProgress)
+	if err != nil {
+		return fmt.Errorf("querying %s: %w", id, err)
+	}
+	return v.Get(out)
+}
+
+func executionName(s enumspb.WorkflowExecutionStatus) string {
+	name := s.String() // e.g. "Running", "Completed", "ContinuedAsNew"
+	return strings.TrimPrefix(name, "WorkflowExecutionStatus")
+}
+
+// PrintStatus writes a human-readable status.
+func PrintStatus(w io.Writer, st *RunStatus) {
+	p := st.Progress
+	fmt.Fprintf(w, "run:        %s (%s)\n", st.WorkflowID, st.RunID)
+	fmt.Fprintf(w, "execution:  %s\n", st.Execution)
+	if st.ProgressErr != "" {
+		fmt.Fprintf(w, "progress:   unavailable: %s\n", st.ProgressErr)
+		return
+	}
+	fmt.Fprintf(w, "pipeline:   %s\n", p.Pipeline)
+	fmt.Fprintf(w, "iteration:  %d (%d done)%s\n", p.Iteration, p.IterationsDone, map[bool]string{true: ", PAUSED", false: ""}[p.Paused])
+	if p.LastError != "" {
+		fmt.Fprintf(w, "last error: %s\n", firstLine(p.LastError))
+	}
+	if len(st.Steps) == 0 {
+		return
+	}
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "STEP\tUSES\tSTATUS\tATTEMPT\tDETAIL\n")
+	for _, s := range st.Steps {
+		detail := s.Reason
+		switch {
+		case s.LastFailure != "":
+			detail = "last failure: " + firstLine(s.LastFailure)
+		case s.Error != "":
+			detail = firstLine(s.Error)
+		case s.Status == workflows.StatusSucceeded:
+			detail = formatOutputs(s.Outputs)
+		}
+		att := ""
+		if s.Attempts > 0 {
+			att = fmt.Sprint(s.Attempts)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", s.ID, s.Uses, s.Status, att, truncate(detail, 100))
+	}
+	tw.Flush()
+}
+
+func formatOutputs(m map[string]any) string {
+	ks := make([]string, 0, len(m))
+	for k := range m {
+		if k != "log" {
+			ks = append(ks, k)
+		}
+	}
+	sort.Strings(ks)
+	parts := make([]string, 0, len(ks))
+	for _, k := range ks {
+		parts = append(parts, fmt.Sprintf("%s=%v", k, m[k]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func firstLine(s string) string {
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
+}

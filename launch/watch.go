@@ -1,0 +1,118 @@
+package launch
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/rlflow/rlflow/workflows"
+	"github.com/schollz/progressbar/v3"
+	"go.temporal.io/sdk/client"
+)
+
+// WatchOptions control Watch's output.
+type WatchOptions struct {
+	Out io.Writer
+	// Bar, when non-nil, receives an iteration progress bar (a terminal).
+	Bar io.Writer
+	// Total is the number of iterations expected (0 = unknown, for until).
+	Total    int
+	Interval time.Duration
+}
+
+// Watch prints step transitions of a run as they happen and returns the
+// run's result once it closes. It follows continue-as-new.
+func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o WatchOptions) (*workflows.PipelineResult, error) {
+	if o.Interval <= 0 {
+		o.Interval = 300 * time.Millisecond
+	}
+	var bar *progressbar.ProgressBar
+	if o.Bar != nil {
+		total := o.Total
+		if total <= 0 {
+			total = -1
+		}
+		bar = progressbar.NewOptions(total, progressbar.OptionSetWriter(o.Bar), progressbar.OptionSetDescription("iterations"),
+			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish())
+	}
+	say := func(format string, args ...any) {
+		if bar != nil {
+			_ = bar.Clear()
+		}
+		fmt.Fprintf(o.Out, format+"\n", args...)
+		if bar != nil {
+			_ = bar.RenderBlank()
+		}
+	}
+	done := make(chan struct{})
+	var res workflows.PipelineResult
+	var runErr error
+	go func() {
+		runErr = run.Get(ctx, &res) // follows continue-as-new runs
+		close(done)
+	}()
+	seen := map[string]string{}
+	lastIter, lastDone := 0, 0
+	t := time.NewTicker(o.Interval)
+	defer t.Stop()
+	poll := func() {
+		st, err := GetStatus(ctx, c, run.GetID(), "")
+		if err != nil || st.ProgressErr != "" {
+			return
+		}
+		p := st.Progress
+		if p.Iteration != lastIter && p.Iteration > 0 {
+			lastIter = p.Iteration
+			say("iteration %d  (%s)", p.Iteration, p.Child)
+		}
+		if p.IterationsDone != lastDone {
+			lastDone = p.IterationsDone
+			if bar != nil {
+				_ = bar.Set(lastDone)
+			}
+		}
+		for _, s := range st.Steps {
+			key := fmt.Sprintf("%d/%s", p.Iteration, s.ID)
+			state := s.Status
+			if s.Status == workflows.StatusRunning && s.Attempts > 1 {
+				state = fmt.Sprintf("running (attempt %d)", s.Attempts)
+			}
+			if seen[key] == state {
+				continue
+			}
+			seen[key] = state
+			line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
+			switch {
+			case s.LastFailure != "" && s.Status == workflows.StatusRunning:
+				line += "  last failure: " + firstLine(s.LastFailure)
+			case s.Status == workflows.StatusFailed:
+				line += "  " + firstLine(s.Error)
+			case s.Status == workflows.StatusSkipped:
+				line += "  (" + s.Reason + ")"
+			case s.Status == workflows.StatusSucceeded:
+				if outs := formatOutputs(s.Outputs); outs != "" {
+					line += "  " + truncate(outs, 120)
+				}
+			}
+			say("%s", line)
+		}
+	}
+	for {
+		select {
+		case <-done:
+			poll()
+			if bar != nil {
+				_ = bar.Finish()
+			}
+			if runErr != nil {
+				return nil, runErr
+			}
+			return &res, nil
+		case <-t.C:
+			poll()
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
