@@ -2,431 +2,563 @@ package pipelines
 
 import (
 	"fmt"
-	"net/url"
-	"path/filepath"
-	"regexp"
+	"math"
+	"reflect"
 	"strconv"
-	"strings"
 
 	"gopkg.in/yaml.v3"
 )
 
-var (
-	nameRe    = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
-	stepIDRe  = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
-	identRe   = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
-	envNameRe = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
-)
+// The decoder maps the yaml.v3 node tree onto the types in types.go, driven
+// by the schema tables. Unlike yaml.v3's own decoding it is strict (unknown
+// keys, duplicate keys and YAML 1.1 surprises like `yes` are errors), keeps
+// going after an error so that all problems are reported at once, and
+// records the node of every field path for the semantic checks.
 
-var topKeys = []string{"version", "name", "description", "base_dir", "params", "servers", "weight_transfer", "loop", "max_parallel", "defaults", "steps"}
-
-func (l *loader) pipeline(root *yaml.Node) *Pipeline {
-	m := l.mapping(root, "", topKeys...)
-	p := &Pipeline{}
-	if n, ok := m["version"]; !ok {
-		l.addf(root, "version", "required (set version: 1)")
-	} else if v, ok := l.integer(n, "version"); ok && v != SchemaVersion {
-		l.addf(n, "version", "unsupported version %d (this rlflow reads version %d)", v, SchemaVersion)
-	} else {
-		p.Version = v
+// deref follows an alias to its anchored node. measure has already refused
+// aliases that loop.
+func deref(n *yaml.Node) *yaml.Node {
+	for i := 0; n != nil && n.Kind == yaml.AliasNode && i < 8; i++ {
+		n = n.Alias
 	}
-	if n, ok := m["name"]; !ok {
-		l.addf(root, "name", "required")
-	} else if s, ok := l.str(n, "name"); ok {
-		if !nameRe.MatchString(s) || len(s) > 100 {
-			l.addf(n, "name", "%q must match [a-z0-9][a-z0-9_.-]* and be at most 100 characters", s)
-		}
-		p.Name = s
-	}
-	if n, ok := m["description"]; ok {
-		p.Description, _ = l.str(n, "description")
-	}
-	if n, ok := m["base_dir"]; ok {
-		if s, ok := l.str(n, "base_dir"); ok {
-			if !filepath.IsAbs(s) {
-				l.addf(n, "base_dir", "%q must be an absolute path", s)
-			}
-			p.BaseDir = s
-		}
-	}
-	if n, ok := m["params"]; ok {
-		p.Params = l.params(n)
-	}
-	if n, ok := m["servers"]; ok {
-		p.Servers = l.servers(n)
-	}
-	if n, ok := m["weight_transfer"]; ok {
-		p.WeightTransfer = l.weightTransfer(n)
-	}
-	if n, ok := m["loop"]; ok {
-		p.Loop = l.loop(n)
-	} else {
-		p.Loop.Iterations = 1
-	}
-	if n, ok := m["max_parallel"]; ok {
-		if v, ok := l.integer(n, "max_parallel"); ok {
-			if v < 0 {
-				l.addf(n, "max_parallel", "must be >= 0 (0 = unbounded)")
-			}
-			p.MaxParallel = v
-		}
-	}
-	if n, ok := m["defaults"]; ok {
-		dm := l.mapping(n, "defaults", "timeout", "heartbeat", "retry", "task_queue")
-		if v, ok := dm["timeout"]; ok {
-			p.Defaults.Timeout, _ = l.duration(v, "defaults.timeout")
-		}
-		if v, ok := dm["heartbeat"]; ok {
-			p.Defaults.Heartbeat, _ = l.duration(v, "defaults.heartbeat")
-		}
-		if v, ok := dm["retry"]; ok {
-			p.Defaults.Retry = l.retry(v, "defaults.retry")
-		}
-		if v, ok := dm["task_queue"]; ok {
-			p.Defaults.TaskQueue, _ = l.str(v, "defaults.task_queue")
-		}
-	}
-	n, ok := m["steps"]
-	if !ok {
-		l.addf(root, "steps", "required: a non-empty list of steps")
-		return p
-	}
-	if n.Kind != yaml.SequenceNode || len(n.Content) == 0 {
-		l.addf(n, "steps", "want a non-empty list of steps, got %s", kindName(n))
-		return p
-	}
-	for i, sn := range n.Content {
-		p.Steps = append(p.Steps, l.step(sn, fmt.Sprintf("steps[%d]", i)))
-	}
-	return p
+	return n
 }
 
-func (l *loader) params(n *yaml.Node) []Param {
-	m := l.mapping(n, "params")
-	if m == nil {
-		return nil
+func isNull(n *yaml.Node) bool {
+	n = deref(n)
+	return n == nil || (n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null")
+}
+
+// describe names what a node holds, for "must be X, got Y" messages.
+func describe(n *yaml.Node) string {
+	n = deref(n)
+	if n == nil {
+		return "nothing"
 	}
-	var out []Param
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	case yaml.DocumentNode:
+		return "a document"
+	}
+	v := n.Value
+	if len(v) > 40 {
+		v = v[:37] + "..."
+	}
+	switch n.ShortTag() {
+	case "!!null":
+		return "null"
+	case "!!bool":
+		return "bool " + v
+	case "!!int":
+		return "integer " + v
+	case "!!float":
+		return "float " + v
+	case "!!str":
+		return fmt.Sprintf("string %q", v)
+	}
+	return fmt.Sprintf("%s %q", n.ShortTag(), v)
+}
+
+// standardTags are the tags the decoder understands; anything else (a
+// custom !tag) is refused rather than silently read as a string.
+var standardTags = map[string]bool{
+	"!!str": true, "!!int": true, "!!float": true, "!!bool": true, "!!null": true,
+	"!!timestamp": true, "!!binary": true, "!!map": true, "!!seq": true, "!!merge": true,
+}
+
+func (l *loader) checkTag(n *yaml.Node, path string) bool {
+	if standardTags[n.ShortTag()] {
+		return true
+	}
+	l.errNode(n, path, "unsupported YAML tag %s", n.Tag)
+	return false
+}
+
+type entry struct {
+	key  string
+	k, v *yaml.Node
+}
+
+// entries returns the key/value pairs of a mapping, with `<<` merge keys
+// expanded (explicit keys win, as in YAML 1.1). Duplicate and non-scalar
+// keys are reported and dropped.
+func (l *loader) entries(n *yaml.Node, path string) []entry {
+	var out []entry
+	seen := map[string]*yaml.Node{}
+	var merges []*yaml.Node
 	for i := 0; i+1 < len(n.Content); i += 2 {
-		name := n.Content[i].Value
-		v, ok := m[name]
-		if !ok {
+		k, v := n.Content[i], n.Content[i+1]
+		if k.Kind == yaml.ScalarNode && k.ShortTag() == "!!merge" {
+			merges = append(merges, v)
 			continue
 		}
-		field := "params." + name
-		if !identRe.MatchString(name) {
-			l.addf(n.Content[i], field, "param name must match [A-Za-z_][A-Za-z0-9_]*")
-		}
-		pm := l.mapping(v, field, "type", "default", "required", "description")
-		if pm == nil {
+		dk := deref(k)
+		if dk.Kind != yaml.ScalarNode {
+			l.errNode(k, path, "mapping keys must be scalars, got %s", describe(k))
 			continue
 		}
-		p := Param{Name: name}
-		if t, ok := pm["type"]; !ok {
-			l.addf(v, field+".type", "required: string, int, float, bool or duration")
-		} else if s, ok := l.str(t, field+".type"); ok {
-			switch ParamType(s) {
-			case ParamString, ParamInt, ParamFloat, ParamBool, ParamDuration:
-				p.Type = ParamType(s)
-			default:
-				l.addf(t, field+".type", "unknown type %q (want string, int, float, bool or duration)", s)
+		key := dk.Value
+		if first, dup := seen[key]; dup {
+			l.errNode(k, joinPath(path, key), "duplicate key %q (first defined at line %d)", key, first.Line)
+			continue
+		}
+		seen[key] = k
+		out = append(out, entry{key, k, v})
+	}
+	for _, m := range merges {
+		var sources []*yaml.Node
+		switch dm := deref(m); dm.Kind {
+		case yaml.MappingNode:
+			sources = []*yaml.Node{dm}
+		case yaml.SequenceNode:
+			for _, s := range dm.Content {
+				sources = append(sources, s)
+			}
+		default:
+			sources = []*yaml.Node{m}
+		}
+		for _, s := range sources {
+			ds := deref(s)
+			if ds.Kind != yaml.MappingNode {
+				l.errNode(s, path, "a << merge needs a mapping or a list of mappings, got %s", describe(s))
+				continue
+			}
+			for _, e := range l.entries(ds, path) {
+				if _, ok := seen[e.key]; !ok {
+					seen[e.key] = e.k
+					out = append(out, e)
+				}
 			}
 		}
-		if r, ok := pm["required"]; ok {
-			p.Required, _ = l.boolean(r, field+".required")
-		}
-		if d, ok := pm["description"]; ok {
-			p.Description, _ = l.str(d, field+".description")
-		}
-		if d, ok := pm["default"]; ok {
-			if p.Required {
-				l.addf(d, field+".default", "a required param cannot have a default")
+	}
+	return out
+}
+
+func joinPath(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}
+
+func indexPath(path string, i int) string { return fmt.Sprintf("%s[%d]", path, i) }
+
+// decodeObject decodes mapping n into the struct rv described by obj.
+func (l *loader) decodeObject(n *yaml.Node, rv reflect.Value, obj *object, path string) {
+	dn := deref(n)
+	if dn.Kind != yaml.MappingNode {
+		l.errNode(n, path, "must be a mapping, got %s", describe(n))
+		return
+	}
+	seen := map[string]bool{}
+	for _, e := range l.entries(dn, path) {
+		p := joinPath(path, e.key)
+		f := obj.field(e.key)
+		if f == nil {
+			hint := didYouMean(e.key, obj.keyNames())
+			if hint == "" {
+				hint = " (want " + joinNames(obj.keyNames()) + ")"
 			}
-			if p.Type != "" {
-				if d.Kind != yaml.ScalarNode {
-					l.addf(d, field+".default", "want a %s, got %s", p.Type, kindName(d))
-				} else if val, err := coerceParam(p.Type, d.Value, d.Tag); err != nil {
-					l.addf(d, field+".default", "%v", err)
+			l.errNode(e.k, p, "unknown key %q%s", e.key, hint)
+			continue
+		}
+		l.keys[p] = e.k
+		if isNull(e.v) {
+			// An empty value means the key is absent, as in most YAML tools;
+			// it keeps `params:` with every entry commented out valid.
+			if f.required {
+				l.errNode(e.k, p, "is required; the value is empty")
+				seen[e.key] = true
+			}
+			continue
+		}
+		seen[e.key] = true
+		l.pos[p] = e.v
+		before := len(l.errs)
+		l.decodeField(e.v, rv.Field(f.index), f, p)
+		if len(l.errs) != before {
+			l.bad[p] = true
+		}
+	}
+	for _, f := range obj.fields {
+		if f.required && !seen[f.name] {
+			l.errNode(n, joinPath(path, f.name), "is required")
+		}
+	}
+}
+
+func (l *loader) decodeField(n *yaml.Node, rv reflect.Value, f *field, path string) {
+	switch f.kind {
+	case kindParams:
+		l.decodeParams(n, path)
+		return
+	case kindSize:
+		if v, ok := l.size(n, path); ok {
+			rv.SetInt(v)
+		}
+		return
+	case kindWith:
+		if deref(n).Kind != yaml.MappingNode {
+			l.errNode(n, path, "must be a mapping of arguments, got %s", describe(n))
+			return
+		}
+		if v, ok := l.decodeAny(n, path).(map[string]any); ok {
+			rv.Set(reflect.ValueOf(v))
+		}
+		return
+	case kindAny:
+		if v := l.decodeAny(n, path); v != nil {
+			rv.Set(reflect.ValueOf(v))
+		}
+		return
+	}
+	t := rv.Type()
+	if t == durationType {
+		if dn := deref(n); dn.Kind != yaml.ScalarNode {
+			l.errNode(n, path, "must be a duration like 30s or 1h30m, got %s", describe(n))
+			return
+		}
+		if s, ok := l.str(n, path); ok {
+			d, err := ParseDuration(s)
+			if err != nil {
+				l.errNode(n, path, "%v", err)
+				return
+			}
+			rv.SetInt(int64(d))
+		}
+		return
+	}
+	switch t.Kind() {
+	case reflect.String:
+		if s, ok := l.str(n, path); ok && l.checkString(n, s, f, path) {
+			rv.SetString(s)
+		}
+	case reflect.Int, reflect.Int64:
+		if v, ok := l.integer(n, path); ok && l.checkMin(n, float64(v), f, path) {
+			rv.SetInt(v)
+		}
+	case reflect.Float64:
+		if v, ok := l.float(n, path); ok && l.checkMin(n, v, f, path) {
+			rv.SetFloat(v)
+		}
+	case reflect.Bool:
+		if v, ok := l.boolean(n, path); ok {
+			rv.SetBool(v)
+		}
+	case reflect.Slice:
+		dn := deref(n)
+		if dn.Kind != yaml.SequenceNode {
+			what := "a list"
+			if t.Elem().Kind() == reflect.String {
+				what = "a list of strings"
+			}
+			l.errNode(n, path, "must be %s, got %s", what, describe(n))
+			return
+		}
+		if len(dn.Content) < f.minItems {
+			l.errNode(n, path, "must have at least %d entry", f.minItems)
+			return
+		}
+		out := reflect.MakeSlice(t, len(dn.Content), len(dn.Content))
+		for i, c := range dn.Content {
+			p := indexPath(path, i)
+			l.pos[p] = c
+			switch t.Elem().Kind() {
+			case reflect.String:
+				if s, ok := l.str(c, p); ok && l.checkString(c, s, f, p) {
+					out.Index(i).SetString(s)
 				} else {
-					p.Default = val
+					l.bad[p] = true
 				}
+			case reflect.Struct:
+				l.decodeObject(c, out.Index(i), objectByType[t.Elem()], p)
 			}
 		}
-		out = append(out, p)
+		rv.Set(out)
+	case reflect.Pointer:
+		v := reflect.New(t.Elem())
+		l.decodeObject(n, v.Elem(), objectByType[t.Elem()], path)
+		rv.Set(v)
+	case reflect.Struct:
+		l.decodeObject(n, rv, objectByType[t], path)
+	default:
+		panic(fmt.Sprintf("pipelines: no decoder for %s (%s)", path, t))
 	}
-	return out
 }
 
-// coerceParam converts a textual value to a param's type.
-func coerceParam(t ParamType, s, tag string) (any, error) {
-	switch t {
-	case ParamString:
-		if tag != "" && tag != "!!str" {
-			return nil, fmt.Errorf("want a string, got %s (quote it)", s)
-		}
-		return s, nil
-	case ParamInt:
-		v, err := strconv.ParseInt(s, 10, 64)
-		if err != nil {
-			return nil, fmt.Errorf("want an int, got %q", s)
-		}
-		return v, nil
-	case ParamFloat:
-		v, err := strconv.ParseFloat(s, 64)
-		if err != nil {
-			return nil, fmt.Errorf("want a float, got %q", s)
-		}
-		return v, nil
-	case ParamBool:
-		v, err := strconv.ParseBool(s)
-		if err != nil {
-			return nil, fmt.Errorf("want true or false, got %q", s)
-		}
-		return v, nil
-	case ParamDuration:
-		if _, err := ParseDuration(s); err != nil {
-			return nil, err
-		}
-		return s, nil
+// checkString applies a field's enum, pattern and length constraints.
+func (l *loader) checkString(n *yaml.Node, s string, f *field, path string) bool {
+	switch {
+	case len(f.enum) > 0 && !contains(f.enum, s):
+		l.errNode(n, path, "%q is not one of %s%s", s, joinNames(f.enum), didYouMean(s, f.enum))
+		return false
+	case f.maxLen > 0 && len(s) > f.maxLen:
+		l.errNode(n, path, "must be at most %d characters, got %d", f.maxLen, len(s))
+		return false
+	case f.pattern != nil && !f.pattern.MatchString(s):
+		l.errNode(n, path, "%q must match %s", clip(s), f.pattern)
+		return false
 	}
-	return nil, fmt.Errorf("unknown type %q", t)
+	return true
 }
 
-func (l *loader) servers(n *yaml.Node) []Server {
-	if n.Kind != yaml.SequenceNode {
-		l.addf(n, "servers", "want a list, got %s", kindName(n))
-		return nil
+func (l *loader) checkMin(n *yaml.Node, v float64, f *field, path string) bool {
+	if f.min != nil && v < *f.min {
+		l.errNode(n, path, "must be at least %v, got %v", *f.min, v)
+		return false
 	}
-	var out []Server
-	for i, sn := range n.Content {
-		field := fmt.Sprintf("servers[%d]", i)
-		m := l.mapping(sn, field, "url", "api_key_env", "api")
-		if m == nil {
-			continue
-		}
-		var s Server
-		if u, ok := m["url"]; !ok {
-			l.addf(sn, field+".url", "required")
-		} else if v, ok := l.str(u, field+".url"); ok {
-			pu, err := url.Parse(v)
-			if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
-				l.addf(u, field+".url", "%q is not an http(s) URL", v)
-			}
-			s.URL = strings.TrimRight(v, "/")
-		}
-		if k, ok := m["api_key_env"]; ok {
-			if v, ok := l.str(k, field+".api_key_env"); ok {
-				if !envNameRe.MatchString(v) {
-					l.addf(k, field+".api_key_env", "%q is not an environment variable name (name the variable, never the key itself)", v)
-				}
-				s.APIKeyEnv = v
-			}
-		}
-		if a, ok := m["api"]; ok {
-			if v, ok := l.str(a, field+".api"); ok {
-				if !contains([]string{"A", "B", "C", "D"}, v) {
-					l.addf(a, field+".api", "unknown API generation %q (want A, B, C or D)", v)
-				}
-				s.API = v
-			}
-		}
-		out = append(out, s)
-	}
-	return out
+	return true
 }
 
-var sizeRe = regexp.MustCompile(`^(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?$`)
-
-func parseSize(s string) (int64, bool) {
-	m := sizeRe.FindStringSubmatch(strings.TrimSpace(s))
-	if m == nil {
-		return 0, false
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
 	}
-	v, err := strconv.ParseInt(m[1], 10, 64)
-	if err != nil {
-		return 0, false
-	}
-	mult := map[string]int64{"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9}[m[2]]
-	if v > (1<<62)/mult {
-		return 0, false
-	}
-	return v * mult, true
+	return false
 }
 
-func (l *loader) weightTransfer(n *yaml.Node) *WeightTransfer {
-	m := l.mapping(n, "weight_transfer", "backend", "packed", "buffer_bytes", "num_buffers")
-	if m == nil {
-		return nil
-	}
-	wt := &WeightTransfer{}
-	if b, ok := m["backend"]; !ok {
-		l.addf(n, "weight_transfer.backend", "required: nccl or disk")
-	} else if v, ok := l.str(b, "weight_transfer.backend"); ok {
-		if v != "nccl" && v != "disk" {
-			l.addf(b, "weight_transfer.backend", "unknown backend %q (want nccl or disk)", v)
-		}
-		wt.Backend = v
-	}
-	if v, ok := m["packed"]; ok {
-		wt.Packed, _ = l.boolean(v, "weight_transfer.packed")
-	}
-	if v, ok := m["buffer_bytes"]; ok {
-		if size, ok := parseSize(v.Value); ok && v.Kind == yaml.ScalarNode && size > 0 {
-			wt.BufferBytes = size
-		} else {
-			l.addf(v, "weight_transfer.buffer_bytes", "want a positive size like 1GiB or 268435456, got %s", kindName(v))
-		}
-	}
-	if v, ok := m["num_buffers"]; ok {
-		if k, ok := l.integer(v, "weight_transfer.num_buffers"); ok {
-			if k < 1 {
-				l.addf(v, "weight_transfer.num_buffers", "must be >= 1")
-			}
-			wt.NumBuffers = k
-		}
-	}
-	return wt
-}
-
-func (l *loader) loop(n *yaml.Node) Loop {
-	m := l.mapping(n, "loop", "iterations", "until", "max_iterations", "continue_as_new_every")
-	var lp Loop
-	if m == nil {
-		return lp
-	}
-	if v, ok := m["iterations"]; ok {
-		if k, ok := l.integer(v, "loop.iterations"); ok {
-			if k < 1 {
-				l.addf(v, "loop.iterations", "must be >= 1")
-			}
-			lp.Iterations = k
-		}
-	}
-	if v, ok := m["until"]; ok {
-		lp.Until, _ = l.str(v, "loop.until")
-		if _, both := m["iterations"]; both {
-			l.addf(v, "loop.until", "give either iterations or until (with max_iterations), not both")
-		}
-		if _, ok := m["max_iterations"]; !ok {
-			l.addf(v, "loop.max_iterations", "required with until, so a loop that never converges still ends")
-		}
-	}
-	if v, ok := m["max_iterations"]; ok {
-		if k, ok := l.integer(v, "loop.max_iterations"); ok {
-			if k < 1 {
-				l.addf(v, "loop.max_iterations", "must be >= 1")
-			}
-			lp.MaxIterations = k
-		}
-		if _, ok := m["until"]; !ok {
-			l.addf(v, "loop.max_iterations", "only meaningful with until; use iterations for a fixed count")
-		}
-	}
-	if v, ok := m["continue_as_new_every"]; ok {
-		if k, ok := l.integer(v, "loop.continue_as_new_every"); ok {
-			if k < 1 {
-				l.addf(v, "loop.continue_as_new_every", "must be >= 1")
-			}
-			lp.ContinueAsNewEvery = k
-		}
-	}
-	if lp.Iterations == 0 && lp.Until == "" {
-		lp.Iterations = 1
-	}
-	return lp
-}
-
-func (l *loader) retry(n *yaml.Node, field string) *RetryPolicy {
-	m := l.mapping(n, field, "max_attempts", "initial_interval", "backoff", "max_interval", "non_retryable")
-	if m == nil {
-		return nil
-	}
-	r := &RetryPolicy{}
-	if v, ok := m["max_attempts"]; ok {
-		if k, ok := l.integer(v, field+".max_attempts"); ok {
-			if k < 0 {
-				l.addf(v, field+".max_attempts", "must be >= 0 (0 = unlimited, 1 = no retry)")
-			}
-			r.MaxAttempts = k
-		}
-	}
-	if v, ok := m["initial_interval"]; ok {
-		r.InitialInterval, _ = l.duration(v, field+".initial_interval")
-	}
-	if v, ok := m["backoff"]; ok {
-		if f, ok := l.float(v, field+".backoff"); ok {
-			if f < 1 {
-				l.addf(v, field+".backoff", "must be >= 1")
-			}
-			r.Backoff = f
-		}
-	}
-	if v, ok := m["max_interval"]; ok {
-		r.MaxInterval, _ = l.duration(v, field+".max_interval")
-		if r.InitialInterval > 0 && r.MaxInterval > 0 && r.MaxInterval < r.InitialInterval {
-			l.addf(v, field+".max_interval", "%s is shorter than initial_interval %s", r.MaxInterval, r.InitialInterval)
-		}
-	}
-	if v, ok := m["non_retryable"]; ok {
-		r.NonRetryable = l.strList(v, field+".non_retryable")
-	}
-	return r
-}
-
-var stepKeys = []string{"id", "uses", "needs", "with", "when", "always", "outputs", "retry", "timeout", "heartbeat", "task_queue"}
-
-func (l *loader) step(n *yaml.Node, field string) Step {
-	var s Step
-	m := l.mapping(n, field, stepKeys...)
-	if m == nil {
-		return s
-	}
-	if v, ok := m["id"]; !ok {
-		l.addf(n, field+".id", "required")
-	} else if id, ok := l.str(v, field+".id"); ok {
-		if !stepIDRe.MatchString(id) {
-			l.addf(v, field+".id", "%q must match [a-z][a-z0-9_-]*", id)
-		}
-		s.ID = id
-	}
-	if v, ok := m["uses"]; !ok {
-		l.addf(n, field+".uses", "required: one of %s", strings.Join(StepTypeNames(), ", "))
-	} else if u, ok := l.str(v, field+".uses"); ok {
-		s.Uses = u
-		if _, ok := LookupStepType(u); !ok {
-			l.addf(v, field+".uses", "unknown step type%s", suggest(u, StepTypeNames()))
-		}
-	}
-	if v, ok := m["needs"]; ok {
-		s.Needs = l.strList(v, field+".needs")
-	}
-	if v, ok := m["with"]; ok {
-		if w, ok := l.value(v, field+".with").(map[string]any); ok {
-			s.With = w
-		} else {
-			l.addf(v, field+".with", "want a mapping, got %s", kindName(v))
-		}
-	}
-	if v, ok := m["when"]; ok {
-		s.When, _ = l.str(v, field+".when")
-	}
-	if v, ok := m["always"]; ok {
-		s.Always, _ = l.boolean(v, field+".always")
-	}
-	if v, ok := m["outputs"]; ok {
-		s.Outputs = l.strList(v, field+".outputs")
-	}
-	if v, ok := m["retry"]; ok {
-		s.Retry = l.retry(v, field+".retry")
-	}
-	if v, ok := m["timeout"]; ok {
-		s.Timeout, _ = l.duration(v, field+".timeout")
-	}
-	if v, ok := m["heartbeat"]; ok {
-		s.Heartbeat, _ = l.duration(v, field+".heartbeat")
-	}
-	if v, ok := m["task_queue"]; ok {
-		s.TaskQueue, _ = l.str(v, field+".task_queue")
+// clip shortens s for a message.
+func clip(s string) string {
+	if len(s) > 60 {
+		return s[:57] + "..."
 	}
 	return s
+}
+
+// str reads any non-null scalar as text, exactly as written: schema strings
+// such as `task_queue: 7` or `when: true` need no quotes.
+func (l *loader) str(n *yaml.Node, path string) (string, bool) {
+	dn := deref(n)
+	if dn.Kind != yaml.ScalarNode || dn.ShortTag() == "!!null" {
+		l.errNode(n, path, "must be a string, got %s", describe(n))
+		return "", false
+	}
+	if !l.checkTag(dn, path) {
+		return "", false
+	}
+	return dn.Value, true
+}
+
+func (l *loader) integer(n *yaml.Node, path string) (int64, bool) {
+	dn := deref(n)
+	if dn.Kind != yaml.ScalarNode || dn.ShortTag() != "!!int" {
+		l.errNode(n, path, "must be an integer, got %s", describe(n))
+		return 0, false
+	}
+	var v int64
+	if err := dn.Decode(&v); err != nil {
+		l.errNode(n, path, "integer %s is out of range", dn.Value)
+		return 0, false
+	}
+	return v, true
+}
+
+func (l *loader) float(n *yaml.Node, path string) (float64, bool) {
+	dn := deref(n)
+	if dn.Kind != yaml.ScalarNode || (dn.ShortTag() != "!!int" && dn.ShortTag() != "!!float") {
+		l.errNode(n, path, "must be a number, got %s", describe(n))
+		return 0, false
+	}
+	var v float64
+	if err := dn.Decode(&v); err != nil {
+		l.errNode(n, path, "number %s is out of range", dn.Value)
+		return 0, false
+	}
+	if math.IsInf(v, 0) || math.IsNaN(v) {
+		// JSON, and so Temporal's payloads, cannot carry them.
+		l.errNode(n, path, "must be a finite number, got %s", dn.Value)
+		return 0, false
+	}
+	return v, true
+}
+
+func (l *loader) boolean(n *yaml.Node, path string) (bool, bool) {
+	dn := deref(n)
+	if dn.Kind != yaml.ScalarNode || dn.ShortTag() != "!!bool" {
+		l.errNode(n, path, "must be true or false, got %s", describe(n))
+		return false, false
+	}
+	var v bool
+	if err := dn.Decode(&v); err != nil {
+		l.errNode(n, path, "must be true or false, got %s", describe(n))
+		return false, false
+	}
+	return v, true
+}
+
+var sizeUnits = map[string]int64{"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+// size reads a positive byte count: an integer or a string like "1GiB".
+func (l *loader) size(n *yaml.Node, path string) (int64, bool) {
+	dn := deref(n)
+	if dn.Kind == yaml.ScalarNode && dn.ShortTag() == "!!int" {
+		v, ok := l.integer(n, path)
+		if ok && v <= 0 {
+			l.errNode(n, path, "must be positive, got %d", v)
+			return 0, false
+		}
+		return v, ok
+	}
+	s, ok := l.str(n, path)
+	if !ok {
+		return 0, false
+	}
+	v, err := ParseSize(s)
+	if err != nil {
+		l.errNode(n, path, "%v", err)
+		return 0, false
+	}
+	return v, true
+}
+
+// ParseSize parses a positive byte count: "1024", "64MiB", "1 GB".
+func ParseSize(s string) (int64, error) {
+	m := sizeRe.FindStringSubmatch(s)
+	if m == nil {
+		return 0, fmt.Errorf("invalid size %q (want bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB)", clip(s))
+	}
+	v, err := strconv.ParseInt(m[1], 10, 64)
+	unit := sizeUnits[m[2]]
+	if err != nil || v > math.MaxInt64/unit {
+		return 0, fmt.Errorf("size %q is out of range", clip(s))
+	}
+	if v == 0 {
+		return 0, fmt.Errorf("size %q must be positive", clip(s))
+	}
+	return v * unit, nil
+}
+
+// decodeAny decodes free-form YAML (step arguments, param defaults) into
+// plain values: map[string]any, []any, string, int64, float64, bool, nil.
+// Timestamps and binary stay the strings they were written as.
+func (l *loader) decodeAny(n *yaml.Node, path string) any {
+	l.pos[path] = n
+	before := len(l.errs)
+	defer func() {
+		if len(l.errs) != before {
+			l.bad[path] = true
+		}
+	}()
+	dn := deref(n)
+	switch dn.Kind {
+	case yaml.MappingNode:
+		m := make(map[string]any, len(dn.Content)/2)
+		for _, e := range l.entries(dn, path) {
+			p := joinPath(path, e.key)
+			l.keys[p] = e.k
+			m[e.key] = l.decodeAny(e.v, p)
+		}
+		return m
+	case yaml.SequenceNode:
+		s := make([]any, len(dn.Content))
+		for i, c := range dn.Content {
+			s[i] = l.decodeAny(c, indexPath(path, i))
+		}
+		return s
+	case yaml.ScalarNode:
+		if !l.checkTag(dn, path) {
+			return nil
+		}
+		switch dn.ShortTag() {
+		case "!!null":
+			return nil
+		case "!!bool":
+			if v, ok := l.boolean(n, path); ok {
+				return v
+			}
+		case "!!int":
+			if v, ok := l.integer(n, path); ok {
+				return v
+			}
+		case "!!float":
+			if v, ok := l.float(n, path); ok {
+				return v
+			}
+		default:
+			return dn.Value
+		}
+		return nil
+	}
+	l.errNode(n, path, "unexpected %s", describe(n))
+	return nil
+}
+
+// decodeParams decodes the params mapping, keeping file order.
+func (l *loader) decodeParams(n *yaml.Node, path string) {
+	dn := deref(n)
+	if dn.Kind != yaml.MappingNode {
+		l.errNode(n, path, "must be a mapping from param name to {type, default, required, description}, got %s", describe(n))
+		return
+	}
+	for _, e := range l.entries(dn, path) {
+		p := joinPath(path, e.key)
+		l.keys[p] = e.k
+		l.pos[p] = e.v
+		if !identRe.MatchString(e.key) {
+			l.errNode(e.k, p, "invalid param name %q: want a letter or _, then letters, digits or _", clip(e.key))
+			continue
+		}
+		param := Param{Name: e.key}
+		if dv := deref(e.v); dv == nil || dv.Kind != yaml.MappingNode {
+			at := e.v
+			if isNull(e.v) {
+				at = e.k
+			}
+			l.errNode(at, p, "must be a mapping like {type: int, default: 5}, got %s", describe(e.v))
+			continue
+		}
+		l.decodeObject(e.v, reflect.ValueOf(&param).Elem(), paramObj, p)
+		if param.Type != "" && !l.bad[p+".type"] && !l.bad[p+".default"] {
+			l.checkParam(&param, p)
+		}
+		l.p.Params = append(l.p.Params, param)
+	}
+}
+
+// checkParam coerces a declared default to the param's type.
+func (l *loader) checkParam(param *Param, path string) {
+	_, hasDefault := l.pos[path+".default"]
+	if param.Required && hasDefault {
+		l.errPath(path+".required", "a required param cannot have a default")
+	}
+	if !hasDefault {
+		return
+	}
+	dn := deref(l.pos[path+".default"])
+	v := param.Default
+	if param.Type == ParamString {
+		// Any scalar reads as the text written, like other strings.
+		if _, isStr := v.(string); !isStr {
+			if dn.Kind != yaml.ScalarNode {
+				l.errPath(path+".default", "must be a string, got %s", describe(dn))
+				return
+			}
+			v = dn.Value
+		}
+	}
+	c, err := coerceParam(param.Type, v, false)
+	if err != nil {
+		l.errPath(path+".default", "%v", err)
+		return
+	}
+	param.Default = c
+}
+
+func (l *loader) uniqueStrings(list []string, path, what string) {
+	seen := map[string]int{}
+	for i, s := range list {
+		if l.bad[indexPath(path, i)] {
+			continue
+		}
+		if j, dup := seen[s]; dup {
+			l.errPath(indexPath(path, i), "duplicate %s %q (also at index %d)", what, s, j)
+			continue
+		}
+		seen[s] = i
+	}
 }

@@ -1,393 +1,487 @@
 package pipelines
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
-	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"gopkg.in/yaml.v3"
 )
 
-// Limits that keep hostile files from costing unbounded time or memory.
+// Limits on what Load accepts. They bound the time and memory a hostile file
+// can cost; a real pipeline is far below every one of them.
 const (
+	// MaxFileBytes is the largest file Load parses.
 	MaxFileBytes = 4 << 20
-	MaxNodes     = 100_000
-	MaxDepth     = 64
-	MaxAliases   = 1_000
+	// MaxNodes bounds the YAML nodes of a document, aliases expanded.
+	MaxNodes = 100_000
+	// MaxDepth bounds the nesting of a document, aliases expanded.
+	MaxDepth = 64
+	// MaxSteps bounds the steps of one pipeline.
+	MaxSteps = 1000
+
+	// maxTokens bounds the YAML indicators (lines, commas, brackets, "- ",
+	// ": ") counted before parsing: yaml.v3 builds the whole node tree before
+	// we can count nodes, and a 4 MiB flow list costs it seconds and
+	// hundreds of MB. Two tokens per node leaves room for any real file.
+	maxTokens    = 2 * MaxNodes
+	maxExprBytes = 4096
+	maxExprs     = 10_000
+	maxErrors    = 1000
 )
 
-// Problem is one validation error at a position of a file.
-type Problem struct {
-	File      string
-	Line, Col int
-	Field     string
-	Msg       string
-}
-
-func (p Problem) String() string {
-	if p.Field == "" {
-		return fmt.Sprintf("%s:%d:%d: %s", p.File, p.Line, p.Col, p.Msg)
-	}
-	return fmt.Sprintf("%s:%d:%d: %s: %s", p.File, p.Line, p.Col, p.Field, p.Msg)
-}
-
-// ErrorList is every problem Load found, sorted by position.
-type ErrorList []Problem
-
-func (l ErrorList) Error() string {
-	lines := make([]string, len(l))
-	for i, p := range l {
-		lines[i] = p.String()
-	}
-	return strings.Join(lines, "\n")
-}
-
-// LoadFile reads and loads a pipeline file.
+// LoadFile reads and loads a pipeline file. Files over MaxFileBytes are
+// refused without being read.
 func LoadFile(path string) (*Pipeline, error) {
-	st, err := os.Stat(path)
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, ErrorList{{File: path, Line: 1, Col: 1, Msg: fmt.Sprintf("cannot read: %v", errors.Unwrap(err))}}
+		return nil, fmt.Errorf("loading pipeline: %w", err)
 	}
-	if st.Size() > MaxFileBytes {
-		return nil, ErrorList{{File: path, Line: 1, Col: 1, Msg: fmt.Sprintf("file is %d bytes, over the %d-byte limit", st.Size(), MaxFileBytes)}}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Mode().IsRegular() && st.Size() > MaxFileBytes {
+		return nil, ErrorList{tooBig(path, st.Size())}
 	}
-	data, err := os.ReadFile(path)
+	// The limit also applies to files whose size Stat cannot tell (pipes).
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileBytes+1))
 	if err != nil {
-		return nil, ErrorList{{File: path, Line: 1, Col: 1, Msg: fmt.Sprintf("cannot read: %v", err)}}
+		return nil, fmt.Errorf("loading pipeline: %w", err)
 	}
 	return Load(path, data)
 }
 
-type loader struct {
-	file     string
-	problems ErrorList
+func tooBig(file string, size int64) *FieldError {
+	return &FieldError{File: file, Line: 1, Col: 1,
+		Msg: fmt.Sprintf("file is too large: %d bytes, the limit is %d (4 MiB)", size, MaxFileBytes)}
 }
 
-func (l *loader) addf(n *yaml.Node, field, format string, args ...any) {
-	line, col := 1, 1
-	if n != nil && n.Line > 0 {
-		line, col = n.Line, n.Column
-	}
-	l.problems = append(l.problems, Problem{File: l.file, Line: line, Col: col, Field: field, Msg: fmt.Sprintf(format, args...)})
-}
-
-var yamlLine = regexp.MustCompile(`^(?:yaml: )?line (\d+): (.*)$`)
-
-// Load parses and validates a pipeline; path names the file in errors and
-// sets BaseDir (its absolute directory) unless the file sets base_dir.
+// Load parses and validates a pipeline. path names the file in error
+// messages and sets the default base_dir. On failure the error is an
+// ErrorList holding every problem found; the *Pipeline is then nil.
 func Load(path string, data []byte) (p *Pipeline, err error) {
-	l := &loader{file: path}
-	if len(data) > MaxFileBytes {
-		l.addf(nil, "", "file is %d bytes, over the %d-byte limit", len(data), MaxFileBytes)
-		return nil, l.problems
+	file := path
+	if file == "" {
+		file = "<input>"
 	}
+	l := &loader{file: file, data: data, pos: map[string]*yaml.Node{}, keys: map[string]*yaml.Node{}, bad: map[string]bool{}}
 	defer func() {
+		// Load never panics on input; a panic here is a bug in this package,
+		// reported as an error rather than crashing the CLI or a worker.
 		if r := recover(); r != nil {
-			p, err = nil, ErrorList{{File: path, Line: 1, Col: 1, Msg: fmt.Sprintf("cannot parse: %v", r)}}
+			l.errs = append(l.errs, &FieldError{File: file, Line: 1, Col: 1, Msg: fmt.Sprintf("internal error: %v", r)})
+			p, err = nil, l.list()
 		}
 	}()
-	var doc yaml.Node
-	dec := yaml.NewDecoder(strings.NewReader(string(data)))
-	if err := dec.Decode(&doc); err != nil {
-		line, msg := 1, strings.TrimPrefix(err.Error(), "yaml: ")
-		if m := yamlLine.FindStringSubmatch(msg); m != nil {
-			line, _ = strconv.Atoi(m[1])
-			msg = m[2]
-		}
-		if err.Error() == "EOF" {
-			msg = "file is empty"
-		}
-		l.problems = append(l.problems, Problem{File: path, Line: line, Col: 1, Msg: "yaml: " + msg})
-		return nil, l.problems
-	}
-	var extra yaml.Node
-	if dec.Decode(&extra) == nil {
-		l.addf(&extra, "", "only one YAML document is allowed")
-		return nil, l.problems
-	}
-	if !l.checkShape(&doc) {
-		return nil, l.problems
-	}
-	root := &doc
-	if root.Kind == yaml.DocumentNode && len(root.Content) == 1 {
-		root = root.Content[0]
-	}
-	if root.Kind != yaml.MappingNode {
-		l.addf(root, "", "a pipeline must be a YAML mapping")
-		return nil, l.problems
-	}
-	p = l.pipeline(root)
-	if p != nil {
-		if p.BaseDir == "" {
-			if abs, err := filepath.Abs(filepath.Dir(path)); err == nil {
-				p.BaseDir = abs
-			}
-		}
-		l.semantic(p, root)
-	}
-	if len(l.problems) > 0 {
-		sort.SliceStable(l.problems, func(i, j int) bool {
-			a, b := l.problems[i], l.problems[j]
-			if a.Line != b.Line {
-				return a.Line < b.Line
-			}
-			if a.Col != b.Col {
-				return a.Col < b.Col
-			}
-			return a.Msg < b.Msg
-		})
-		return nil, l.problems
+	p = l.load(path)
+	if len(l.errs) > 0 {
+		return nil, l.list()
 	}
 	return p, nil
 }
 
-// checkShape bounds node count, depth and alias use before any decoding,
-// so alias bombs and deep nesting are refused cheaply.
-func (l *loader) checkShape(doc *yaml.Node) bool {
-	nodes, aliases := 0, 0
-	var walk func(n *yaml.Node, depth int) bool
-	walk = func(n *yaml.Node, depth int) bool {
-		nodes++
-		if nodes > MaxNodes {
-			l.addf(n, "", "more than %d YAML nodes", MaxNodes)
-			return false
-		}
-		if depth > MaxDepth {
-			l.addf(n, "", "nesting deeper than %d levels", MaxDepth)
-			return false
-		}
-		if n.Kind == yaml.AliasNode {
-			aliases++
-			if aliases > MaxAliases {
-				l.addf(n, "", "more than %d YAML aliases", MaxAliases)
-				return false
-			}
-			// An alias is not walked again: its anchor was already counted.
-			return true
-		}
-		for _, c := range n.Content {
-			if !walk(c, depth+1) {
-				return false
-			}
-		}
-		return true
-	}
-	return walk(doc, 0)
+// loader holds the state of one Load call.
+type loader struct {
+	file  string
+	data  []byte
+	errs  ErrorList
+	pos   map[string]*yaml.Node // value node of every decoded field path
+	keys  map[string]*yaml.Node // key node of every decoded mapping entry
+	bad   map[string]bool       // free-form paths already reported, not to be checked again
+	lines []int                 // byte offset of each line start, built lazily
+
+	p        *Pipeline
+	exprs    int
+	upstream map[string]map[string]bool
+	env      any // typed expression environment, built on first use
 }
 
-// mapping returns a mapping node's key/value pairs, reporting unknown keys
-// and duplicate keys against the allowed set.
-func (l *loader) mapping(n *yaml.Node, field string, allowed ...string) map[string]*yaml.Node {
-	out := map[string]*yaml.Node{}
-	if n.Kind == yaml.AliasNode {
-		n = n.Alias
+func (l *loader) list() ErrorList {
+	l.errs.sort()
+	if len(l.errs) > maxErrors {
+		last := l.errs[maxErrors-1]
+		l.errs = append(l.errs[:maxErrors:maxErrors], &FieldError{File: l.file, Line: last.Line, Col: last.Col,
+			Msg: fmt.Sprintf("too many errors; only the first %d are shown", maxErrors)})
 	}
-	if n.Kind != yaml.MappingNode {
-		l.addf(n, field, "want a mapping, got %s", kindName(n))
+	return l.errs
+}
+
+func (l *loader) errAt(line, col int, path, format string, args ...any) {
+	if line < 1 {
+		line = 1
+	}
+	if col < 1 {
+		col = 1
+	}
+	l.errs = append(l.errs, &FieldError{File: l.file, Line: line, Col: col, Field: path, Msg: fmt.Sprintf(format, args...)})
+}
+
+// errNode reports a problem at node n (or line 1 if n is nil).
+func (l *loader) errNode(n *yaml.Node, path, format string, args ...any) {
+	if n == nil {
+		l.errAt(1, 1, path, format, args...)
+		return
+	}
+	l.errAt(n.Line, n.Column, path, format, args...)
+}
+
+// errPath reports a problem at the node decoded for path, or at the nearest
+// enclosing path that has one.
+func (l *loader) errPath(path, format string, args ...any) {
+	l.errNode(l.nodeFor(path), path, format, args...)
+}
+
+// nodeFor returns the node of path or of its nearest decoded ancestor.
+func (l *loader) nodeFor(path string) *yaml.Node {
+	for p := path; p != ""; p = parentPath(p) {
+		if n, ok := l.pos[p]; ok {
+			return n
+		}
+	}
+	return l.pos[""]
+}
+
+func parentPath(p string) string {
+	i := strings.LastIndexAny(p, ".[")
+	if i < 0 {
+		return ""
+	}
+	return p[:i]
+}
+
+func (l *loader) load(path string) *Pipeline {
+	if len(l.data) > MaxFileBytes {
+		l.errs = append(l.errs, tooBig(l.file, int64(len(l.data))))
 		return nil
 	}
-	for i := 0; i+1 < len(n.Content); i += 2 {
-		k, v := n.Content[i], n.Content[i+1]
-		if v.Kind == yaml.AliasNode {
-			v = v.Alias
-		}
-		if _, dup := out[k.Value]; dup {
-			l.addf(k, join(field, k.Value), "duplicate key")
-			continue
-		}
-		if allowed != nil && !contains(allowed, k.Value) {
-			l.addf(k, join(field, k.Value), "unknown key%s", suggest(k.Value, allowed))
-			continue
-		}
-		out[k.Value] = v
-	}
-	return out
-}
-
-func join(field, key string) string {
-	if field == "" {
-		return key
-	}
-	return field + "." + key
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
-}
-
-func kindName(n *yaml.Node) string {
-	switch n.Kind {
-	case yaml.MappingNode:
-		return "a mapping"
-	case yaml.SequenceNode:
-		return "a list"
-	case yaml.ScalarNode:
-		if n.Tag == "!!null" {
-			return "null"
-		}
-		return fmt.Sprintf("%q", n.Value)
-	}
-	return "something else"
-}
-
-// suggest returns ` (did you mean "x"?)` for a near miss, or the allowed list.
-func suggest(got string, allowed []string) string {
-	best, bestD := "", 3
-	for _, a := range allowed {
-		if d := editDistance(got, a); d < bestD {
-			best, bestD = a, d
-		}
-	}
-	if best != "" {
-		return fmt.Sprintf(" %q (did you mean %q?)", got, best)
-	}
-	s := append([]string(nil), allowed...)
-	sort.Strings(s)
-	return fmt.Sprintf(" %q (want one of %s)", got, strings.Join(s, ", "))
-}
-
-func editDistance(a, b string) int {
-	prev := make([]int, len(b)+1)
-	for j := range prev {
-		prev[j] = j
-	}
-	for i := 1; i <= len(a); i++ {
-		cur := make([]int, len(b)+1)
-		cur[0] = i
-		for j := 1; j <= len(b); j++ {
-			cost := 1
-			if a[i-1] == b[j-1] {
-				cost = 0
-			}
-			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
-		}
-		prev = cur
-	}
-	return prev[len(b)]
-}
-
-func (l *loader) str(n *yaml.Node, field string) (string, bool) {
-	if n.Kind != yaml.ScalarNode || n.Tag == "!!null" {
-		l.addf(n, field, "want a string, got %s", kindName(n))
-		return "", false
-	}
-	return n.Value, true
-}
-
-func (l *loader) integer(n *yaml.Node, field string) (int, bool) {
-	if n.Kind != yaml.ScalarNode || n.Tag != "!!int" {
-		l.addf(n, field, "want an integer, got %s", kindName(n))
-		return 0, false
-	}
-	v, err := strconv.ParseInt(n.Value, 0, 64)
-	if err != nil || v > 1<<31 || v < -(1<<31) {
-		l.addf(n, field, "integer %s out of range", n.Value)
-		return 0, false
-	}
-	return int(v), true
-}
-
-func (l *loader) float(n *yaml.Node, field string) (float64, bool) {
-	if n.Kind != yaml.ScalarNode || (n.Tag != "!!int" && n.Tag != "!!float") {
-		l.addf(n, field, "want a number, got %s", kindName(n))
-		return 0, false
-	}
-	v, err := strconv.ParseFloat(n.Value, 64)
-	if err != nil {
-		l.addf(n, field, "bad number %s", n.Value)
-		return 0, false
-	}
-	return v, true
-}
-
-func (l *loader) boolean(n *yaml.Node, field string) (bool, bool) {
-	if n.Kind != yaml.ScalarNode || n.Tag != "!!bool" {
-		l.addf(n, field, "want true or false, got %s", kindName(n))
-		return false, false
-	}
-	return n.Value == "true", true
-}
-
-func (l *loader) duration(n *yaml.Node, field string) (Duration, bool) {
-	s, ok := l.str(n, field)
-	if !ok {
-		return 0, false
-	}
-	d, err := ParseDuration(s)
-	if err != nil {
-		l.addf(n, field, "%v", err)
-		return 0, false
-	}
-	return d, true
-}
-
-func (l *loader) strList(n *yaml.Node, field string) []string {
-	if n.Kind != yaml.SequenceNode {
-		l.addf(n, field, "want a list of strings, got %s", kindName(n))
+	if n := countTokens(l.data); n > maxTokens {
+		l.errAt(1, 1, "", "document is too complex: more than %d lines and YAML indicators (a pipeline may have at most %d nodes)", maxTokens, MaxNodes)
 		return nil
 	}
-	out := []string{}
-	for i, c := range n.Content {
-		if s, ok := l.str(c, fmt.Sprintf("%s[%d]", field, i)); ok {
-			out = append(out, s)
-		}
+	root := l.parse()
+	if root == nil {
+		return nil
 	}
-	return out
+	if !l.measure(root) {
+		return nil
+	}
+	l.pos[""] = root
+	p := &Pipeline{}
+	l.p = p
+	l.decodeObject(root, reflect.ValueOf(p).Elem(), pipelineObj, "")
+	l.check(path)
+	return p
 }
 
-// value converts a YAML node into plain JSON-compatible Go data.
-func (l *loader) value(n *yaml.Node, field string) any {
+// countTokens over-estimates the YAML nodes of data without parsing it.
+func countTokens(data []byte) int {
+	n := 0
+	for i, c := range data {
+		switch c {
+		case '\n', ',', '[', '{':
+			n++
+		case '-', ':', '?':
+			if i+1 == len(data) || data[i+1] == ' ' || data[i+1] == '\n' || data[i+1] == '\t' || data[i+1] == '\r' {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+var yamlLineRe = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+var unknownAnchorRe = regexp.MustCompile(`^yaml: unknown anchor '(.*)' referenced$`)
+
+// parse returns the document's root mapping, or nil after reporting why
+// there is none.
+func (l *loader) parse() (root *yaml.Node) {
+	defer func() {
+		if r := recover(); r != nil {
+			l.errAt(1, 1, "", "yaml parser failed: %v", r)
+			root = nil
+		}
+	}()
+	dec := yaml.NewDecoder(bytes.NewReader(l.data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			l.errAt(1, 1, "", "empty document: want a mapping with version, name and steps")
+		} else {
+			l.yamlError(err)
+		}
+		return nil
+	}
+	var next yaml.Node
+	switch err := dec.Decode(&next); {
+	case errors.Is(err, io.EOF):
+	case err != nil:
+		l.yamlError(err)
+	default:
+		l.errAt(next.Line, next.Column, "", "a pipeline file holds one YAML document; found another here")
+	}
+	if doc.Kind != yaml.DocumentNode || len(doc.Content) == 0 {
+		l.errAt(1, 1, "", "empty document: want a mapping with version, name and steps")
+		return nil
+	}
+	root = doc.Content[0]
+	if root.Kind == yaml.ScalarNode && root.ShortTag() == "!!null" {
+		l.errNode(root, "", "empty document: want a mapping with version, name and steps")
+		return nil
+	}
+	if root.Kind != yaml.MappingNode {
+		l.errNode(root, "", "the document must be a mapping with version, name and steps, got %s", describe(root))
+		return nil
+	}
+	return root
+}
+
+// yamlParserProblems are the messages of yaml.v3's parser (as opposed to
+// its scanner). For them yaml.v3 reports a 0-based line, that of the
+// construct being parsed; the hint says which construct that is.
+var yamlParserProblems = map[string]string{
+	"did not find expected ',' or ']'":       " (in the flow list that starts here)",
+	"did not find expected ',' or '}'":       " (in the flow mapping that starts here)",
+	"did not find expected '-' indicator":    " (in the block list that starts here; check the indentation below it)",
+	"did not find expected key":              " (in the block mapping that starts here; check the indentation below it)",
+	"did not find expected node content":     "",
+	"did not find expected <document start>": "",
+	"did not find expected <stream-start>":   "",
+	"found undefined tag handle":             "",
+	"found duplicate %YAML directive":        "",
+	"found duplicate %TAG directive":         "",
+	"found incompatible YAML document":       "",
+}
+
+// yamlError turns a yaml.v3 parse error into a positioned FieldError.
+func (l *loader) yamlError(err error) {
+	msg := err.Error()
+	line, col := 1, 1
+	if m := yamlLineRe.FindStringSubmatch(msg); m != nil {
+		line, _ = strconv.Atoi(m[1])
+		msg = m[2]
+	} else if m := unknownAnchorRe.FindStringSubmatch(msg); m != nil {
+		// yaml.v3 gives no position here; the first use of the alias is it.
+		if i := bytes.Index(l.data, []byte("*"+m[1])); i >= 0 {
+			line, col = l.offsetPos(i)
+		}
+		msg = strings.TrimPrefix(msg, "yaml: ")
+	} else {
+		msg = strings.TrimPrefix(msg, "yaml: ")
+		line = 0 // yaml.v3 leaves the line out when it is the first
+	}
+	if hint, ok := yamlParserProblems[msg]; ok {
+		line++
+		// Point at the construct's opening token where the line shows it.
+		text := l.lineText(line)
+		i := -1
+		switch {
+		case strings.HasSuffix(msg, "']'"):
+			i = strings.IndexByte(text, '[')
+		case strings.HasSuffix(msg, "'}'"):
+			i = strings.IndexByte(text, '{')
+		case strings.Contains(msg, "'-'"):
+			i = strings.IndexByte(text, '-')
+		case strings.Contains(msg, "expected key"):
+			i = len(text) - len(strings.TrimLeft(text, " "))
+		}
+		if i >= 0 {
+			col = utf8.RuneCountInString(text[:i]) + 1
+		}
+		msg += hint
+	} else if line == 0 {
+		line = 1
+	}
+	if strings.Contains(msg, "tab") || strings.Contains(msg, "cannot start any token") {
+		// The reported line is where the scalar or token began; the tab
+		// may be on one of the lines after it.
+		for n := line; n <= line+2; n++ {
+			text := l.lineText(n)
+			indent := text[:len(text)-len(strings.TrimLeft(text, " \t"))]
+			if i := strings.IndexByte(indent, '\t'); i >= 0 {
+				line, col = n, i+1
+				if !strings.Contains(msg, "tab") {
+					msg += " (tabs are not allowed for indentation)"
+				}
+				break
+			}
+		}
+	}
+	l.errAt(line, col, "", "yaml syntax error: %s", msg)
+}
+
+func (l *loader) lineStarts() []int {
+	if l.lines == nil {
+		l.lines = []int{0}
+		for i, c := range l.data {
+			if c == '\n' {
+				l.lines = append(l.lines, i+1)
+			}
+		}
+	}
+	return l.lines
+}
+
+// lineText returns line n (1-based) without its newline, or "".
+func (l *loader) lineText(n int) string {
+	starts := l.lineStarts()
+	if n < 1 || n > len(starts) {
+		return ""
+	}
+	end := len(l.data)
+	if n < len(starts) {
+		end = starts[n] - 1
+	}
+	return strings.TrimSuffix(string(l.data[starts[n-1]:end]), "\r")
+}
+
+// offsetPos converts a byte offset of data to a 1-based line and column.
+func (l *loader) offsetPos(off int) (line, col int) {
+	starts := l.lineStarts()
+	lo, hi := 0, len(starts)-1
+	for lo < hi {
+		mid := (lo + hi + 1) / 2
+		if starts[mid] <= off {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return lo + 1, utf8.RuneCount(l.data[starts[lo]:off]) + 1
+}
+
+// scalarPos returns the position of byte offset off inside scalar n's value.
+// It is exact when the scalar sits on one line exactly as its value reads
+// (plain, or quoted without escapes), and otherwise the scalar's own
+// position: block scalars and escapes break the offset-to-column mapping.
+func (l *loader) scalarPos(n *yaml.Node, off int) (line, col int) {
+	if n == nil {
+		return 1, 1
+	}
+	line, col = n.Line, n.Column
+	if off < 0 || off > len(n.Value) || strings.ContainsAny(n.Value, "\n\r") {
+		return line, col
+	}
+	q := 0
+	switch n.Style &^ (yaml.TaggedStyle | yaml.FlowStyle) {
+	case 0:
+	case yaml.DoubleQuotedStyle, yaml.SingleQuotedStyle:
+		q = 1
+	default:
+		return line, col
+	}
+	text := l.lineText(n.Line)
+	// Walk col-1+q characters into the line to find the value's first byte.
+	b := 0
+	for i := 0; i < col-1+q && b < len(text); i++ {
+		_, w := utf8.DecodeRuneInString(text[b:])
+		b += w
+	}
+	if !strings.HasPrefix(text[b:], n.Value) {
+		return line, col
+	}
+	return line, col + q + utf8.RuneCountInString(n.Value[:off])
+}
+
+// measure checks the document's size and depth with aliases expanded, and
+// that no alias contains itself, so that decoding can follow aliases freely.
+func (l *loader) measure(root *yaml.Node) bool {
+	m := &measurer{memo: map[*yaml.Node]shape{}, active: map[*yaml.Node]bool{}}
+	m.walk(root, 1)
+	if m.failed != "" {
+		l.errNode(m.at, "", "%s", m.failed)
+		return false
+	}
+	return true
+}
+
+type shape struct{ size, height int }
+
+type measurer struct {
+	total  int
+	memo   map[*yaml.Node]shape // anchored nodes only: aliases reuse them
+	active map[*yaml.Node]bool  // anchored nodes being walked
+	failed string
+	at     *yaml.Node
+}
+
+func (m *measurer) fail(n *yaml.Node, format string, args ...any) {
+	if m.failed == "" {
+		m.failed, m.at = fmt.Sprintf(format, args...), n
+	}
+}
+
+// walk returns the expanded size and height of n at nesting level depth,
+// stopping at the first limit exceeded. Memoising anchored nodes keeps it
+// linear in the parsed tree however aliases multiply.
+func (m *measurer) walk(n *yaml.Node, depth int) shape {
+	if m.failed != "" || n == nil {
+		return shape{}
+	}
+	if depth > MaxDepth {
+		m.fail(n, "document nests deeper than %d levels", MaxDepth)
+		return shape{}
+	}
 	if n.Kind == yaml.AliasNode {
-		n = n.Alias
+		t := n.Alias
+		if t == nil {
+			m.fail(n, "alias *%s refers to nothing", n.Value)
+			return shape{}
+		}
+		if m.active[t] {
+			m.fail(n, "alias *%s refers to a node that contains it", n.Value)
+			return shape{}
+		}
+		s, ok := m.memo[t]
+		if !ok {
+			s = m.walk(t, depth)
+			return shape{s.size + 1, s.height}
+		}
+		if depth+s.height-1 > MaxDepth {
+			m.fail(n, "document nests deeper than %d levels (aliases expanded)", MaxDepth)
+			return shape{}
+		}
+		m.total += s.size + 1
+		if m.total > MaxNodes {
+			m.fail(n, "document is too large: more than %d YAML nodes (aliases expanded)", MaxNodes)
+			return shape{}
+		}
+		return shape{s.size + 1, s.height}
 	}
-	switch n.Kind {
-	case yaml.ScalarNode:
-		switch n.Tag {
-		case "!!null":
-			return nil
-		case "!!bool":
-			return n.Value == "true"
-		case "!!int":
-			if v, err := strconv.ParseInt(n.Value, 0, 64); err == nil {
-				return v
-			}
-			l.addf(n, field, "integer %s out of range", n.Value)
-			return nil
-		case "!!float":
-			v, err := strconv.ParseFloat(n.Value, 64)
-			if err != nil {
-				l.addf(n, field, "bad number %s", n.Value)
-			}
-			return v
-		default:
-			return n.Value
-		}
-	case yaml.SequenceNode:
-		out := make([]any, len(n.Content))
-		for i, c := range n.Content {
-			out[i] = l.value(c, fmt.Sprintf("%s[%d]", field, i))
-		}
-		return out
-	case yaml.MappingNode:
-		out := map[string]any{}
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			k := n.Content[i].Value
-			if _, dup := out[k]; dup {
-				l.addf(n.Content[i], join(field, k), "duplicate key")
-			}
-			out[k] = l.value(n.Content[i+1], join(field, k))
-		}
-		return out
+	m.total++
+	if m.total > MaxNodes {
+		m.fail(n, "document is too large: more than %d YAML nodes (aliases expanded)", MaxNodes)
+		return shape{}
 	}
-	return nil
+	if n.Anchor != "" {
+		m.active[n] = true
+		defer delete(m.active, n)
+	}
+	s := shape{size: 1, height: 1}
+	for _, c := range n.Content {
+		cs := m.walk(c, depth+1)
+		if m.failed != "" {
+			return shape{}
+		}
+		s.size += cs.size
+		s.height = max(s.height, cs.height+1)
+	}
+	if n.Anchor != "" {
+		m.memo[n] = s
+	}
+	return s
+}
+
+// defaultBaseDir is the absolute directory of path.
+func defaultBaseDir(path string) string {
+	dir := filepath.Dir(path)
+	if abs, err := filepath.Abs(dir); err == nil {
+		return abs
+	}
+	return dir
 }

@@ -1,90 +1,116 @@
 package pipelines
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"sort"
+	"strconv"
 	"strings"
 )
 
-// ResolveParams turns `-p name=value` strings into typed launch values,
-// applying defaults; every problem is reported at once.
-func (p *Pipeline) ResolveParams(raw map[string]string) (map[string]any, error) {
-	vals := make(map[string]any, len(raw))
-	for k, v := range raw {
-		vals[k] = v
-	}
-	return p.resolve(vals, true)
-}
-
-// ResolveParamValues validates JSON launch values (from the Temporal UI form
-// or a schedule): JSON numbers become int64 for int params.
-func (p *Pipeline) ResolveParamValues(vals map[string]any) (map[string]any, error) {
-	return p.resolve(vals, false)
-}
-
-func (p *Pipeline) resolve(vals map[string]any, fromText bool) (map[string]any, error) {
-	var errs []string
-	names := make([]string, 0, len(p.Params))
-	for _, pr := range p.Params {
-		names = append(names, pr.Name)
-	}
-	keys := make([]string, 0, len(vals))
-	for k := range vals {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		if !contains(names, k) {
-			if len(names) == 0 {
-				errs = append(errs, fmt.Sprintf("unknown param %q (the pipeline declares none)", k))
-			} else {
-				errs = append(errs, "unknown param"+suggest(k, names))
-			}
+// ParseParamFlags splits `-p key=value` flag values into a map. The value
+// may contain '='; a key given twice is an error.
+func ParseParamFlags(flags []string) (map[string]string, error) {
+	out := make(map[string]string, len(flags))
+	var errs []error
+	for _, f := range flags {
+		k, v, ok := strings.Cut(f, "=")
+		k = strings.TrimSpace(k)
+		switch {
+		case !ok || k == "":
+			errs = append(errs, fmt.Errorf("param %q: want key=value", f))
+		case hasKey(out, k):
+			errs = append(errs, fmt.Errorf("param %q is set twice", k))
+		default:
+			out[k] = v
 		}
-	}
-	out := make(map[string]any, len(p.Params))
-	for _, pr := range p.Params {
-		v, given := vals[pr.Name]
-		if !given {
-			if pr.Default != nil {
-				d, err := coerceValue(pr.Type, pr.Default)
-				if err != nil {
-					errs = append(errs, fmt.Sprintf("%s: default: %v", pr.Name, err))
-				}
-				out[pr.Name] = d
-			} else if pr.Required {
-				errs = append(errs, fmt.Sprintf("%s: required (give -p %s=<%s>)", pr.Name, pr.Name, pr.Type))
-			} else {
-				out[pr.Name] = zeroValue(pr.Type)
-			}
-			continue
-		}
-		var c any
-		var err error
-		if s, ok := v.(string); ok && fromText {
-			c, err = coerceParam(pr.Type, s, "")
-		} else {
-			c, err = coerceValue(pr.Type, v)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Sprintf("%s: %v", pr.Name, err))
-			continue
-		}
-		out[pr.Name] = c
 	}
 	if len(errs) > 0 {
-		return nil, errors.New(strings.Join(errs, "; "))
+		return nil, errors.Join(errs...)
 	}
 	return out, nil
 }
 
-func zeroValue(t ParamType) any {
+func hasKey(m map[string]string, k string) bool { _, ok := m[k]; return ok }
+
+// ResolveParams returns the launch value of every declared param: the
+// override parsed as the param's type, else the default, else the type's
+// zero value ("", 0, 0.0, false, "0s"). Unknown names, missing required
+// params and unparsable values are all reported, one per line.
+func (p *Pipeline) ResolveParams(overrides map[string]string) (map[string]any, error) {
+	given := make(map[string]any, len(overrides))
+	for k, v := range overrides {
+		given[k] = v
+	}
+	return p.resolveParams(given)
+}
+
+// ResolveParamValues is ResolveParams for typed values, as decoded from JSON
+// (the Temporal UI's start form): integral float64 numbers become int64 for
+// int params, and strings are parsed as ResolveParams does.
+func (p *Pipeline) ResolveParamValues(values map[string]any) (map[string]any, error) {
+	return p.resolveParams(values)
+}
+
+func (p *Pipeline) resolveParams(given map[string]any) (map[string]any, error) {
+	var errs []string
+	names := make([]string, len(p.Params))
+	declared := make(map[string]bool, len(p.Params))
+	for i, prm := range p.Params {
+		names[i] = prm.Name
+		declared[prm.Name] = true
+	}
+	for k := range given {
+		if declared[k] {
+			continue
+		}
+		switch hint := didYouMean(k, names); {
+		case hint != "":
+			errs = append(errs, fmt.Sprintf("unknown param %q%s", k, hint))
+		case len(names) == 0:
+			errs = append(errs, fmt.Sprintf("unknown param %q (the pipeline declares no params)", k))
+		default:
+			errs = append(errs, fmt.Sprintf("unknown param %q (declared: %s)", k, joinNames(names)))
+		}
+	}
+	out := make(map[string]any, len(p.Params))
+	for _, prm := range p.Params {
+		v, ok := given[prm.Name]
+		switch {
+		case ok:
+		case prm.Default != nil:
+			// Defaults are coerced too: after a JSON round trip through
+			// Temporal an int default arrives as float64.
+			v = prm.Default
+		case prm.Required:
+			errs = append(errs, fmt.Sprintf("param %q is required", prm.Name))
+			continue
+		default:
+			out[prm.Name] = zeroParam(prm.Type)
+			continue
+		}
+		c, err := coerceParam(prm.Type, v, true)
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("param %q: %v", prm.Name, err))
+			continue
+		}
+		out[prm.Name] = c
+	}
+	if len(errs) > 0 {
+		sort.Strings(errs)
+		return nil, errors.New(strings.Join(errs, "\n"))
+	}
+	return out, nil
+}
+
+func zeroParam(t ParamType) any {
 	switch t {
 	case ParamInt:
 		return int64(0)
 	case ParamFloat:
-		return 0.0
+		return float64(0)
 	case ParamBool:
 		return false
 	case ParamDuration:
@@ -93,11 +119,15 @@ func zeroValue(t ParamType) any {
 	return ""
 }
 
-// coerceValue checks a JSON-typed value against a param type.
-func coerceValue(t ParamType, v any) (any, error) {
+// coerceParam converts v to the Go type of t: string, int64, float64, bool,
+// or a validated duration string. Lenient mode (launch values) also parses
+// strings and accepts integral float64 for ints; strict mode (YAML
+// defaults) takes only values already of the right YAML type.
+func coerceParam(t ParamType, v any, lenient bool) (any, error) {
+	s, isStr := v.(string)
 	switch t {
 	case ParamString:
-		if s, ok := v.(string); ok {
+		if isStr {
 			return s, nil
 		}
 	case ParamInt:
@@ -107,30 +137,103 @@ func coerceValue(t ParamType, v any) (any, error) {
 		case int:
 			return int64(x), nil
 		case float64:
-			if x == float64(int64(x)) {
+			if lenient && x == math.Trunc(x) && math.Abs(x) < 1<<53 {
 				return int64(x), nil
+			}
+		case json.Number:
+			if n, err := x.Int64(); err == nil {
+				return n, nil
+			}
+		case string:
+			if lenient {
+				n, err := strconv.ParseInt(strings.TrimSpace(x), 10, 64)
+				if err == nil {
+					return n, nil
+				}
 			}
 		}
 	case ParamFloat:
+		var f float64
+		ok := true
 		switch x := v.(type) {
 		case float64:
-			return x, nil
+			f = x
 		case int64:
-			return float64(x), nil
+			f = float64(x)
 		case int:
-			return float64(x), nil
+			f = float64(x)
+		case json.Number:
+			var err error
+			f, err = x.Float64()
+			ok = err == nil
+		case string:
+			var err error
+			f, err = strconv.ParseFloat(strings.TrimSpace(x), 64)
+			ok = lenient && err == nil
+		default:
+			ok = false
+		}
+		if ok && !math.IsInf(f, 0) && !math.IsNaN(f) {
+			return f, nil
 		}
 	case ParamBool:
-		if b, ok := v.(bool); ok {
-			return b, nil
+		switch x := v.(type) {
+		case bool:
+			return x, nil
+		case string:
+			if lenient {
+				if b, err := strconv.ParseBool(strings.TrimSpace(x)); err == nil {
+					return b, nil
+				}
+			}
 		}
 	case ParamDuration:
-		if s, ok := v.(string); ok {
+		if isStr {
+			s = strings.TrimSpace(s)
 			if _, err := ParseDuration(s); err != nil {
 				return nil, err
 			}
 			return s, nil
 		}
+	default:
+		return nil, fmt.Errorf("unknown param type %q", t)
 	}
-	return nil, fmt.Errorf("want a %s, got %v (%T)", t, v, v)
+	return nil, fmt.Errorf("must be %s, got %s", paramTypeWant(t), describeValue(v))
+}
+
+func paramTypeWant(t ParamType) string {
+	switch t {
+	case ParamInt:
+		return "an integer"
+	case ParamFloat:
+		return "a finite number"
+	case ParamBool:
+		return "true or false"
+	case ParamDuration:
+		return "a duration like 30s or 1h30m"
+	}
+	return "a string"
+}
+
+// describeValue names a decoded value for messages.
+func describeValue(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return "null"
+	case string:
+		return fmt.Sprintf("string %q", clip(x))
+	case bool:
+		return fmt.Sprintf("bool %v", x)
+	case int, int64:
+		return fmt.Sprintf("integer %v", x)
+	case float64:
+		return fmt.Sprintf("float %v", x)
+	case json.Number:
+		return "number " + x.String()
+	case map[string]any:
+		return "a mapping"
+	case []any:
+		return "a list"
+	}
+	return fmt.Sprintf("%T", v)
 }

@@ -1,137 +1,230 @@
 package pipelines
 
 import (
-	"encoding/json"
 	"fmt"
+	"reflect"
+	"regexp"
 	"strings"
 )
 
-func kindSchema(k ArgKind) map[string]any {
-	expr := map[string]any{"type": "string", "pattern": `\$\{\{`}
-	switch k {
-	case KindString, KindDuration:
-		return map[string]any{"type": "string"}
-	case KindInt:
-		return map[string]any{"anyOf": []any{map[string]any{"type": "integer"}, expr}}
-	case KindFloat:
-		return map[string]any{"anyOf": []any{map[string]any{"type": "number"}, expr}}
-	case KindBool:
-		return map[string]any{"anyOf": []any{map[string]any{"type": "boolean"}, expr}}
-	case KindStringList:
-		return map[string]any{"type": "array", "items": map[string]any{"type": "string"}, "minItems": 1}
-	case KindStringMap:
-		return map[string]any{"type": "object", "additionalProperties": map[string]any{"type": "string"}}
-	}
-	return map[string]any{"type": "object"}
+// The tables below are the single description of the YAML schema: the
+// decoder enforces them, and JSONSchema and Reference are generated from
+// them, so the three cannot drift apart. Go types come from the structs in
+// types.go, matched by JSON field name (which equals the YAML name).
+
+// fieldKind marks fields whose YAML form the Go type alone does not say.
+type fieldKind int
+
+const (
+	kindAuto      fieldKind = iota // derived from the Go type
+	kindSize                       // int64 bytes, written as 1073741824 or "1GiB"
+	kindParams                     // mapping name -> param
+	kindWith                       // free-form mapping, checked per step type
+	kindCondition                  // a string holding one expression
+	kindAny                        // any YAML value (a param default)
+)
+
+// field describes one key of a YAML mapping.
+type field struct {
+	name     string
+	doc      string
+	required bool
+	kind     fieldKind
+	enum     []string
+	pattern  *regexp.Regexp // for strings, or each string of a list
+	maxLen   int
+	min      *float64 // for numbers
+	minItems int      // for lists
+	index    int      // Go struct field index, resolved at init
 }
 
-// JSONSchema returns a JSON Schema (draft 2020-12) of the pipeline YAML,
-// generated from the step type registry, for editors.
-func JSONSchema() ([]byte, error) {
-	dur := map[string]any{"type": "string", "pattern": `^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`}
-	retry := map[string]any{"type": "object", "additionalProperties": false, "properties": map[string]any{
-		"max_attempts": map[string]any{"type": "integer", "minimum": 0}, "initial_interval": dur,
-		"backoff": map[string]any{"type": "number", "minimum": 1}, "max_interval": dur,
-		"non_retryable": map[string]any{"type": "array", "items": map[string]any{"type": "string"}},
-	}}
-	var branches []any
-	for _, name := range StepTypeNames() {
-		t, _ := LookupStepType(name)
-		props := map[string]any{}
-		var req []string
-		for _, a := range t.Args {
-			s := kindSchema(a.Kind)
-			s["description"] = a.Doc
-			if len(a.Enum) > 0 {
-				s["enum"] = a.Enum
-			}
-			props[a.Name] = s
-			if a.Required {
-				req = append(req, a.Name)
-			}
-		}
-		with := map[string]any{"type": "object", "additionalProperties": false, "properties": props}
-		if len(req) > 0 {
-			with["required"] = req
-		}
-		branches = append(branches, map[string]any{
-			"if":   map[string]any{"properties": map[string]any{"uses": map[string]any{"const": name}}},
-			"then": map[string]any{"properties": map[string]any{"with": with}},
-		})
-	}
-	step := map[string]any{
-		"type": "object", "additionalProperties": false, "required": []string{"id", "uses"},
-		"properties": map[string]any{
-			"id":         map[string]any{"type": "string", "pattern": "^[a-z][a-z0-9_-]*$"},
-			"uses":       map[string]any{"enum": StepTypeNames()},
-			"needs":      map[string]any{"type": "array", "items": map[string]any{"type": "string"}},
-			"with":       map[string]any{"type": "object"},
-			"when":       map[string]any{"type": "string"},
-			"always":     map[string]any{"type": "boolean"},
-			"outputs":    map[string]any{"type": "array", "items": map[string]any{"type": "string"}},
-			"retry":      retry,
-			"timeout":    dur,
-			"heartbeat":  dur,
-			"task_queue": map[string]any{"type": "string"},
-		},
-		"allOf": branches,
-	}
-	schema := map[string]any{
-		"$schema": "https://json-schema.org/draft/2020-12/schema",
-		"title":   "rlflow pipeline", "type": "object", "additionalProperties": false,
-		"required": []string{"version", "name", "steps"},
-		"properties": map[string]any{
-			"version":     map[string]any{"const": SchemaVersion},
-			"name":        map[string]any{"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]*$", "maxLength": 100},
-			"description": map[string]any{"type": "string"},
-			"base_dir":    map[string]any{"type": "string"},
-			"params": map[string]any{"type": "object", "additionalProperties": map[string]any{
-				"type": "object", "additionalProperties": false, "required": []string{"type"},
-				"properties": map[string]any{"type": map[string]any{"enum": []string{"string", "int", "float", "bool", "duration"}},
-					"default": map[string]any{}, "required": map[string]any{"type": "boolean"}, "description": map[string]any{"type": "string"}}}},
-			"servers": map[string]any{"type": "array", "items": map[string]any{"type": "object", "additionalProperties": false, "required": []string{"url"},
-				"properties": map[string]any{"url": map[string]any{"type": "string"}, "api_key_env": map[string]any{"type": "string"}, "api": map[string]any{"enum": []string{"A", "B", "C", "D"}}}}},
-			"weight_transfer": map[string]any{"type": "object", "additionalProperties": false, "required": []string{"backend"},
-				"properties": map[string]any{"backend": map[string]any{"enum": []string{"nccl", "disk"}}, "packed": map[string]any{"type": "boolean"},
-					"buffer_bytes": map[string]any{"type": []string{"integer", "string"}}, "num_buffers": map[string]any{"type": "integer", "minimum": 1}}},
-			"loop": map[string]any{"type": "object", "additionalProperties": false, "properties": map[string]any{
-				"iterations": map[string]any{"type": "integer", "minimum": 1}, "until": map[string]any{"type": "string"},
-				"max_iterations": map[string]any{"type": "integer", "minimum": 1}, "continue_as_new_every": map[string]any{"type": "integer", "minimum": 1}}},
-			"max_parallel": map[string]any{"type": "integer", "minimum": 0},
-			"defaults": map[string]any{"type": "object", "additionalProperties": false, "properties": map[string]any{
-				"timeout": dur, "heartbeat": dur, "retry": retry, "task_queue": map[string]any{"type": "string"}}},
-			"steps": map[string]any{"type": "array", "minItems": 1, "items": step},
-		},
-	}
-	return json.MarshalIndent(schema, "", "  ")
+// object describes one YAML mapping with a fixed set of keys.
+type object struct {
+	name   string // $defs name in the JSON Schema
+	title  string // heading in the reference
+	doc    string
+	typ    reflect.Type
+	fields []field
 }
 
-// Reference returns the Markdown reference of every step type, generated
-// from the registry (README links to `rlflow schema --reference`).
-func Reference() string {
-	var b strings.Builder
-	b.WriteString("# rlflow step types\n\nGenerated from the step type registry (`rlflow schema --reference`).\n")
-	for _, name := range StepTypeNames() {
-		t, _ := LookupStepType(name)
-		fmt.Fprintf(&b, "\n## `%s`\n\n%s\n\n| argument | type | required | description |\n|---|---|---|---|\n", t.Name, t.Doc)
-		for _, a := range t.Args {
-			req := ""
-			if a.Required {
-				req = "yes"
-			}
-			fmt.Fprintf(&b, "| `%s` | %s | %s | %s |\n", a.Name, a.Kind, req, a.Doc)
+func (o *object) field(name string) *field {
+	for i := range o.fields {
+		if o.fields[i].name == name {
+			return &o.fields[i]
 		}
-		outs := strings.Join(t.Outputs, "`, `")
-		if outs != "" {
-			outs = "`" + outs + "`"
-		}
-		if t.DeclaredOutputs {
-			if outs != "" {
-				outs += ", plus "
-			}
-			outs += "the keys declared in the step's `outputs:` (or `with.outputs`)"
-		}
-		fmt.Fprintf(&b, "\nOutputs: %s.\n", outs)
 	}
-	return b.String()
+	return nil
 }
+
+func (o *object) keyNames() []string {
+	names := make([]string, len(o.fields))
+	for i, f := range o.fields {
+		names[i] = f.name
+	}
+	return names
+}
+
+func minimum(v float64) *float64 { return &v }
+
+var (
+	nameRe       = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
+	stepIDRe     = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
+	identRe      = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	envVarRe     = identRe
+	durationRe   = `^(0|([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$`
+	sizeRe       = regexp.MustCompile(`^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$`)
+	paramTypes   = []string{string(ParamString), string(ParamInt), string(ParamFloat), string(ParamBool), string(ParamDuration)}
+	serverAPIs   = []string{"A", "B", "C", "D"}
+	transferKind = []string{"nccl", "disk"}
+)
+
+var retryObj = &object{
+	name: "retry", title: "retry",
+	doc: "A Temporal retry policy for a step's activity.",
+	typ: reflect.TypeOf(RetryPolicy{}),
+	fields: []field{
+		{name: "max_attempts", min: minimum(0), doc: "attempts in all, the first included; 0 means unlimited, 1 means no retry"},
+		{name: "initial_interval", doc: "wait before the first retry"},
+		{name: "backoff", min: minimum(1), doc: "factor the wait grows by after each retry (at least 1)"},
+		{name: "max_interval", doc: "cap on the wait between retries; at least initial_interval"},
+		{name: "non_retryable", doc: "error types that fail the step at once, without retrying"},
+	},
+}
+
+var defaultsObj = &object{
+	name: "defaults", title: "defaults",
+	doc: "Values for every step that does not set its own.",
+	typ: reflect.TypeOf(StepDefaults{}),
+	fields: []field{
+		{name: "timeout", doc: "start-to-close timeout of one attempt"},
+		{name: "heartbeat", doc: "heartbeat timeout; must be shorter than the timeout"},
+		{name: "retry", doc: "retry policy"},
+		{name: "task_queue", doc: "Temporal task queue the step's activity is scheduled on"},
+	},
+}
+
+var serverObj = &object{
+	name: "server", title: "servers[]",
+	doc: "One vLLM instance. Control calls (pause, resume, weight transfer) fan out to every server.",
+	typ: reflect.TypeOf(Server{}),
+	fields: []field{
+		{name: "url", required: true, doc: "base URL, http or https"},
+		{name: "api_key_env", pattern: envVarRe, doc: "environment variable on the worker holding the API key; the key never enters workflow history"},
+		{name: "api", enum: serverAPIs, doc: "weight-transfer API generation; empty means probe the server"},
+	},
+}
+
+var weightTransferObj = &object{
+	name: "weight_transfer", title: "weight_transfer",
+	doc: "How new weights reach the servers.",
+	typ: reflect.TypeOf(WeightTransfer{}),
+	fields: []field{
+		{name: "backend", required: true, enum: transferKind, doc: "nccl broadcasts from the trainer's GPU; disk hands the servers a checkpoint path"},
+		{name: "packed", doc: "pack tensors into large buffers before broadcasting"},
+		{name: "buffer_bytes", kind: kindSize, doc: "size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
+		{name: "num_buffers", min: minimum(1), doc: "packing buffers in flight"},
+	},
+}
+
+var loopObj = &object{
+	name: "loop", title: "loop",
+	doc: "How many times the DAG runs. Set iterations, or until with max_iterations; neither means one iteration.",
+	typ: reflect.TypeOf(Loop{}),
+	fields: []field{
+		{name: "iterations", min: minimum(1), doc: "fixed number of iterations"},
+		{name: "until", kind: kindCondition, doc: "condition checked after each iteration; true stops the loop. May reference any step"},
+		{name: "max_iterations", min: minimum(1), doc: "bound on the iterations of an until loop (required with until)"},
+		{name: "continue_as_new_every", min: minimum(1), doc: fmt.Sprintf("iterations per workflow run before it continues as new (default %d)", DefaultContinueAsNewEvery)},
+	},
+}
+
+var paramObj = &object{
+	name: "param", title: "params.<name>",
+	doc: "A launch parameter, referenced as `${{ params.<name> }}`. Names are identifiers: `[A-Za-z_][A-Za-z0-9_]*`.",
+	typ: reflect.TypeOf(Param{}),
+	fields: []field{
+		{name: "type", required: true, enum: paramTypes, doc: "value type; duration values are Go duration strings"},
+		{name: "default", kind: kindAny, doc: "value used when the launch does not set one; must match type"},
+		{name: "required", doc: "the launch must set a value; not allowed with a default"},
+		{name: "description", doc: "shown in the CLI and the Temporal UI"},
+	},
+}
+
+var stepObj = &object{
+	name: "step", title: "steps[]",
+	doc: "One node of the DAG: an activity of the type named by uses.",
+	typ: reflect.TypeOf(Step{}),
+	fields: []field{
+		{name: "id", required: true, pattern: stepIDRe, maxLen: 100, doc: "unique step id: a lowercase letter, then lowercase letters, digits, _ or -"},
+		{name: "uses", required: true, doc: "step type (see Step types)"},
+		{name: "needs", doc: "ids of steps that must finish first"},
+		{name: "with", kind: kindWith, doc: "arguments of the step type; strings may hold `${{ }}` expressions"},
+		{name: "when", kind: kindCondition, doc: "condition; false skips the step. May reference upstream steps"},
+		{name: "always", doc: "run once the needs have finished even if one failed or was skipped, or the run is cancelled"},
+		{name: "outputs", pattern: identRe, doc: "output keys the step produces, for step types with declared outputs"},
+		{name: "retry", doc: "retry policy (overrides defaults.retry)"},
+		{name: "timeout", doc: "start-to-close timeout of one attempt (overrides defaults.timeout)"},
+		{name: "heartbeat", doc: "heartbeat timeout (overrides defaults.heartbeat)"},
+		{name: "task_queue", doc: "task queue (overrides defaults.task_queue)"},
+	},
+}
+
+var pipelineObj = &object{
+	name: "pipeline", title: "Top level",
+	doc: "A pipeline file holds one YAML document, a mapping with these keys.",
+	typ: reflect.TypeOf(Pipeline{}),
+	fields: []field{
+		{name: "version", required: true, doc: fmt.Sprintf("schema version; must be %d", SchemaVersion)},
+		{name: "name", required: true, pattern: nameRe, maxLen: 100, doc: "pipeline name: lowercase letters, digits, _, . or -, starting with a letter or digit"},
+		{name: "description", doc: "free text"},
+		{name: "base_dir", doc: "absolute directory relative paths resolve against; default: the file's directory"},
+		{name: "params", kind: kindParams, doc: "launch parameters: a mapping from name to param"},
+		{name: "servers", doc: "vLLM servers"},
+		{name: "weight_transfer", doc: "weight transfer settings"},
+		{name: "loop", doc: "iteration control"},
+		{name: "max_parallel", min: minimum(0), doc: "most steps of one iteration running at once; 0 means unbounded"},
+		{name: "defaults", doc: "step defaults"},
+		{name: "steps", required: true, minItems: 1, doc: "the DAG's steps, in file order"},
+	},
+}
+
+// objects is every schema object, in reference order.
+var objects = []*object{pipelineObj, paramObj, serverObj, weightTransferObj, loopObj, defaultsObj, retryObj, stepObj}
+
+var objectByType = map[reflect.Type]*object{}
+
+func init() {
+	for _, o := range objects {
+		objectByType[o.typ] = o
+		for i := range o.fields {
+			f := &o.fields[i]
+			idx, ok := jsonFieldIndex(o.typ, f.name)
+			if !ok {
+				// A programming error: the tables and types.go disagree.
+				panic(fmt.Sprintf("pipelines: schema field %s.%s has no Go field", o.name, f.name))
+			}
+			f.index = idx
+		}
+	}
+}
+
+// jsonFieldIndex finds the struct field whose JSON name is name.
+func jsonFieldIndex(t reflect.Type, name string) (int, bool) {
+	for i := 0; i < t.NumField(); i++ {
+		if jsonName(t.Field(i)) == name {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+func jsonName(f reflect.StructField) string {
+	tag := f.Tag.Get("json")
+	n, _, _ := strings.Cut(tag, ",")
+	if n == "" {
+		return f.Name
+	}
+	return n
+}
+
+var durationType = reflect.TypeOf(Duration(0))

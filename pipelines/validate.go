@@ -1,0 +1,463 @@
+package pipelines
+
+import (
+	"fmt"
+	"net/url"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// check runs the semantic checks that need more than one field at a time,
+// after decoding. It reports at the recorded node of each path.
+func (l *loader) check(path string) {
+	p := l.p
+	if _, ok := l.pos["version"]; ok && !l.bad["version"] && p.Version != SchemaVersion {
+		l.errPath("version", "unsupported version %d (this build reads version %d)", p.Version, SchemaVersion)
+	}
+	if p.BaseDir == "" {
+		p.BaseDir = defaultBaseDir(path)
+	} else if !filepath.IsAbs(p.BaseDir) {
+		l.errPath("base_dir", "must be an absolute path, got %q (leave it out to use the file's directory)", clip(p.BaseDir))
+	}
+	for i, s := range p.Servers {
+		l.checkServer(s, indexPath("servers", i))
+	}
+	l.checkLoop()
+	l.checkRetry(p.Defaults.Retry, "defaults.retry")
+	l.checkTimeouts(p.Defaults.Timeout, p.Defaults.Heartbeat, "defaults")
+	if len(p.Steps) > MaxSteps {
+		l.errPath("steps", "too many steps: %d, the limit is %d", len(p.Steps), MaxSteps)
+		return
+	}
+	l.checkSteps()
+	l.checkCycles()
+	l.checkExprs()
+}
+
+func (l *loader) checkServer(s Server, path string) {
+	if s.URL == "" {
+		return
+	}
+	u, err := url.Parse(s.URL)
+	switch {
+	case err != nil:
+		l.errPath(path+".url", "invalid URL %q: %v", clip(s.URL), unwrapURLError(err))
+	case u.Scheme != "http" && u.Scheme != "https":
+		l.errPath(path+".url", "URL %q must start with http:// or https://", clip(s.URL))
+	case u.Host == "":
+		l.errPath(path+".url", "URL %q has no host", clip(s.URL))
+	}
+}
+
+func unwrapURLError(err error) error {
+	if ue, ok := err.(*url.Error); ok {
+		return ue.Err
+	}
+	return err
+}
+
+func (l *loader) checkLoop() {
+	lp := &l.p.Loop
+	_, hasIter := l.pos["loop.iterations"]
+	_, hasMax := l.pos["loop.max_iterations"]
+	switch {
+	case lp.Until != "" && hasIter:
+		l.errPath("loop.until", "until and iterations are mutually exclusive")
+	case lp.Until != "" && !hasMax:
+		l.errPath("loop.until", "until needs max_iterations, a bound on the iterations")
+	case lp.Until == "" && hasMax:
+		l.errPath("loop.max_iterations", "max_iterations only applies with until; use iterations for a fixed count")
+	}
+	if lp.Until == "" && lp.Iterations == 0 && !hasIter {
+		lp.Iterations = 1
+	}
+}
+
+func (l *loader) checkRetry(r *RetryPolicy, path string) {
+	if r == nil {
+		return
+	}
+	if r.InitialInterval > 0 && r.MaxInterval > 0 && r.MaxInterval < r.InitialInterval {
+		l.errPath(path+".max_interval", "max_interval %s is shorter than initial_interval %s", r.MaxInterval, r.InitialInterval)
+	}
+}
+
+// checkTimeouts checks that a heartbeat timeout is shorter than the
+// attempt timeout. path is the step's path, or "defaults"; a value the step
+// does not set comes from the defaults.
+func (l *loader) checkTimeouts(timeout, heartbeat Duration, path string) {
+	if timeout == 0 || heartbeat == 0 || heartbeat < timeout {
+		return
+	}
+	hbPath, toPath := path+".heartbeat", path+".timeout"
+	if _, ok := l.pos[hbPath]; !ok {
+		hbPath = "defaults.heartbeat"
+	}
+	if _, ok := l.pos[toPath]; !ok {
+		toPath = "defaults.timeout"
+	}
+	at := hbPath
+	if !strings.HasPrefix(at, path+".") {
+		at = toPath
+	}
+	l.errPath(at, "heartbeat %s must be shorter than timeout %s", l.durationText(hbPath, path), l.durationText(toPath, path))
+}
+
+// durationText shows a duration as written, naming where it came from when
+// that is not the step being checked.
+func (l *loader) durationText(at, path string) string {
+	text := ""
+	if n := deref(l.pos[at]); n != nil {
+		text = n.Value
+	}
+	if !strings.HasPrefix(at, path+".") {
+		text += " (from " + at + ")"
+	}
+	return text
+}
+
+func (l *loader) checkSteps() {
+	p := l.p
+	first := map[string]int{}
+	for i, s := range p.Steps {
+		if s.ID == "" {
+			continue
+		}
+		if j, dup := first[s.ID]; dup {
+			line := 0
+			if n := l.pos[indexPath("steps", j)+".id"]; n != nil {
+				line = n.Line
+			}
+			l.errPath(indexPath("steps", i)+".id", "duplicate step id %q (first defined at line %d)", s.ID, line)
+			continue
+		}
+		first[s.ID] = i
+	}
+	ids := make([]string, 0, len(first))
+	for id := range first {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for i := range p.Steps {
+		s := &p.Steps[i]
+		path := indexPath("steps", i)
+		t := l.checkUses(s, path)
+		l.checkNeeds(s, path, first, ids)
+		l.checkOutputs(s, t, path)
+		if t != nil {
+			l.checkWith(s, t, path)
+		}
+		l.checkRetry(s.Retry, path+".retry")
+		timeout, heartbeat := s.Timeout, s.Heartbeat
+		if timeout == 0 {
+			timeout = p.Defaults.Timeout
+		}
+		if heartbeat == 0 {
+			heartbeat = p.Defaults.Heartbeat
+		}
+		if s.Timeout != 0 || s.Heartbeat != 0 {
+			l.checkTimeouts(timeout, heartbeat, path)
+		}
+	}
+}
+
+func (l *loader) checkUses(s *Step, path string) *StepType {
+	if s.Uses == "" {
+		return nil
+	}
+	t, ok := LookupStepType(s.Uses)
+	if !ok {
+		names := StepTypeNames()
+		hint := ""
+		if c := suggest(s.Uses, names); c != "" {
+			hint = fmt.Sprintf("did you mean %q? ", c)
+		}
+		l.errPath(path+".uses", "unknown step type %q (%sknown: %s)", clip(s.Uses), hint, joinNames(names))
+		return nil
+	}
+	return t
+}
+
+func (l *loader) checkNeeds(s *Step, path string, first map[string]int, ids []string) {
+	seen := map[string]bool{}
+	for j, n := range s.Needs {
+		p := indexPath(path+".needs", j)
+		switch _, known := first[n]; {
+		case n == "":
+		case n == s.ID:
+			l.errPath(p, "a step cannot need itself")
+		case seen[n]:
+			l.errPath(p, "%q is listed twice", n)
+		case !known:
+			l.errPath(p, "unknown step %q%s", clip(n), didYouMean(n, ids))
+		}
+		seen[n] = true
+	}
+}
+
+func (l *loader) checkOutputs(s *Step, t *StepType, path string) {
+	if len(s.Outputs) == 0 || t == nil {
+		return
+	}
+	if !t.DeclaredOutputs {
+		var declaring []string
+		for _, n := range StepTypeNames() {
+			if st, _ := LookupStepType(n); st.DeclaredOutputs {
+				declaring = append(declaring, n)
+			}
+		}
+		fixed := "none"
+		if len(t.Outputs) > 0 {
+			fixed = joinNames(t.Outputs)
+		}
+		l.errPath(path+".outputs", "%s steps have fixed outputs (%s); outputs may only be declared for %s", t.Name, fixed, joinNames(declaring))
+		return
+	}
+	l.uniqueStrings(s.Outputs, path+".outputs", "output")
+	for j, o := range s.Outputs {
+		if contains(t.Outputs, o) {
+			l.errPath(indexPath(path+".outputs", j), "%q is already an output of every %s step", o, t.Name)
+		}
+	}
+}
+
+func (t *StepType) requiredArgs() []string {
+	var out []string
+	for _, a := range t.Args {
+		if a.Required {
+			out = append(out, a.Name)
+		}
+	}
+	return out
+}
+
+func (t *StepType) argNames() []string {
+	out := make([]string, len(t.Args))
+	for i, a := range t.Args {
+		out[i] = a.Name
+	}
+	return out
+}
+
+// checkWith validates a step's arguments against its type's ArgSpecs, then
+// runs the type's own Validate hook if the kinds were right (hooks may
+// assume them). Scalars given for string arguments are replaced by the
+// text they were written as, so `env: {N: 4}` yields "4".
+func (l *loader) checkWith(s *Step, t *StepType, path string) {
+	wpath := path + ".with"
+	before := len(l.errs)
+	keys := make([]string, 0, len(s.With))
+	for k := range s.With {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		p := joinPath(wpath, k)
+		spec, ok := t.Arg(k)
+		if !ok {
+			hint := didYouMean(k, t.argNames())
+			if hint == "" && len(t.Args) > 0 {
+				hint = " (want " + joinNames(t.argNames()) + ")"
+			} else if hint == "" {
+				hint = " (it takes none)"
+			}
+			l.errNode(l.keys[p], p, "unknown argument %q for %s%s", clip(k), t.Name, hint)
+			continue
+		}
+		if v, ok := l.checkArg(spec, s.With[k], p); ok {
+			s.With[k] = v
+		}
+	}
+	for _, a := range t.Args {
+		if _, ok := s.With[a.Name]; a.Required && !ok {
+			at := l.pos[wpath]
+			if at == nil {
+				at = l.pos[path]
+			}
+			l.errNode(at, joinPath(wpath, a.Name), "is required by %s", t.Name)
+		}
+	}
+	if len(l.errs) != before || t.Validate == nil {
+		return
+	}
+	for k, msg := range runValidate(t, s.With) {
+		p := wpath
+		if _, ok := s.With[k]; ok {
+			p = joinPath(wpath, k)
+		}
+		l.errPath(p, "%s", msg)
+	}
+}
+
+// runValidate calls a step type's hook, turning a panic (a bug in the hook
+// met by unusual input) into a problem report.
+func runValidate(t *StepType, with map[string]any) (problems map[string]string) {
+	defer func() {
+		if r := recover(); r != nil {
+			problems = map[string]string{"": fmt.Sprintf("internal error validating %s arguments: %v", t.Name, r)}
+		}
+	}()
+	if with == nil {
+		with = map[string]any{}
+	}
+	return t.Validate(with)
+}
+
+// checkArg checks one argument's kind and returns its value normalised.
+func (l *loader) checkArg(a ArgSpec, v any, path string) (any, bool) {
+	if l.bad[path] {
+		return nil, false // its YAML was already reported
+	}
+	if s, ok := v.(string); ok && strings.Contains(s, "${{") {
+		if isWholeExpr(s) {
+			return v, true // typed when rendered; checked by the activity
+		}
+		switch a.Kind {
+		case KindString, KindDuration:
+			return v, true
+		}
+		l.errPath(path, "must be %s; text around ${{ }} makes it a string", kindWant(a.Kind))
+		return nil, false
+	}
+	switch a.Kind {
+	case KindString:
+		s, ok := l.argText(v, path)
+		if !ok {
+			l.errPath(path, "must be a string, got %s", l.describeAt(path, v))
+			return nil, false
+		}
+		if len(a.Enum) > 0 && !contains(a.Enum, s) {
+			l.errPath(path, "%q is not one of %s%s", clip(s), joinNames(a.Enum), didYouMean(s, a.Enum))
+			return nil, false
+		}
+		return s, true
+	case KindInt:
+		if _, ok := v.(int64); ok {
+			return v, true
+		}
+	case KindFloat:
+		switch x := v.(type) {
+		case float64:
+			return x, true
+		case int64:
+			return float64(x), true
+		}
+	case KindBool:
+		if _, ok := v.(bool); ok {
+			return v, true
+		}
+	case KindDuration:
+		if s, ok := v.(string); ok {
+			if _, err := ParseDuration(s); err != nil {
+				l.errPath(path, "%v", err)
+				return nil, false
+			}
+			return v, true
+		}
+	case KindStringList:
+		list, ok := v.([]any)
+		if !ok {
+			break
+		}
+		good := true
+		for i, e := range list {
+			p := indexPath(path, i)
+			if s, isStr := e.(string); isStr && strings.Contains(s, "${{") || l.bad[p] {
+				good = good && !l.bad[p]
+				continue
+			}
+			s, ok := l.argText(e, p)
+			if !ok {
+				l.errPath(p, "must be a string, got %s", l.describeAt(p, e))
+				good = false
+				continue
+			}
+			list[i] = s
+		}
+		return list, good
+	case KindStringMap:
+		m, ok := v.(map[string]any)
+		if !ok {
+			break
+		}
+		good := true
+		for k, e := range m {
+			p := joinPath(path, k)
+			if s, isStr := e.(string); isStr && strings.Contains(s, "${{") || l.bad[p] {
+				good = good && !l.bad[p]
+				continue
+			}
+			s, ok := l.argText(e, p)
+			if !ok {
+				l.errPath(p, "must be a string, got %s", l.describeAt(p, e))
+				good = false
+				continue
+			}
+			m[k] = s
+		}
+		return m, good
+	case KindObject:
+		if _, ok := v.(map[string]any); ok {
+			return v, true
+		}
+	default:
+		return v, true // a kind added later: its type's Validate checks it
+	}
+	l.errPath(path, "must be %s, got %s", kindWant(a.Kind), l.describeAt(path, v))
+	return nil, false
+}
+
+// describeAt describes a free-form value by its YAML node, which shows it
+// as written (99999999999999999999, not 1e+20).
+func (l *loader) describeAt(path string, v any) string {
+	if n, ok := l.pos[path]; ok {
+		return describe(n)
+	}
+	return describeValue(v)
+}
+
+// argText returns a scalar argument as the text written in the file.
+func (l *loader) argText(v any, path string) (string, bool) {
+	switch x := v.(type) {
+	case string:
+		return x, true
+	case int64, float64, bool:
+		if n := deref(l.pos[path]); n != nil && n.Kind == yaml.ScalarNode {
+			return n.Value, true
+		}
+		return fmt.Sprint(x), true
+	}
+	return "", false
+}
+
+func kindWant(k ArgKind) string {
+	switch k {
+	case KindString:
+		return "a string"
+	case KindInt:
+		return "an integer"
+	case KindFloat:
+		return "a number"
+	case KindBool:
+		return "true or false"
+	case KindDuration:
+		return "a duration string like 30s"
+	case KindStringList:
+		return "a list of strings"
+	case KindStringMap:
+		return "a mapping of strings"
+	case KindObject:
+		return "a mapping"
+	}
+	return string(k)
+}
+
+func (l *loader) checkCycles() {
+	for _, c := range l.p.cycles() {
+		i := l.p.indexByID()[c.ids[0]]
+		l.errPath(indexPath(indexPath("steps", i)+".needs", c.need), "dependency cycle: %s", strings.Join(c.ids, " -> "))
+	}
+}
