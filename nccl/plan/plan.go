@@ -1,0 +1,245 @@
+// Package plan lays out the NCCL data plane of one weight update: which
+// bytes go in which ncclBroadcast, in which order, and the update_info
+// metadata vLLM needs to receive them (spec section 6).
+//
+// Invariants:
+//
+//   - Everything derives from one ordered []Tensor: the metadata (UpdateInfo)
+//     and the broadcast sequence (Packed or NonPacked) list the same tensors
+//     in the same order, so a receiver never waits for bytes that do not come.
+//   - Packed implements vLLM's rule exactly: append a tensor to the current
+//     chunk, add its size to the running total S, and close the chunk after
+//     appending when S > T (strict). The remainder, if it holds any tensor
+//     (zero-size ones included), is the last chunk. Chunks are byte-contiguous
+//     with no padding; each is one ncclBroadcast of ncclUint8.
+//   - NonPacked emits one broadcast per tensor, zero-size ones included (vLLM
+//     issues those too), with the NCCL data type vLLM's
+//     ncclDataTypeEnum.from_torch maps the dtype to; the dtypes it does not
+//     map are an error here rather than a 500 (and a hung broadcast) there.
+package plan
+
+import (
+	"fmt"
+	"math"
+	"math/bits"
+	"slices"
+
+	"github.com/rlflow/rlflow/nccl/safetensors"
+)
+
+// Tensor is one tensor of an update, in update order.
+type Tensor struct {
+	Name string
+	// DType is the torch attribute name ("bfloat16", "float32", ...), the
+	// spelling of update_info.dtype_names.
+	DType string
+	Shape []int64
+	Size  int64 // bytes: prod(Shape) * itemsize
+}
+
+// FromSafetensors converts checkpoint tensors, keeping their order.
+func FromSafetensors(infos []safetensors.TensorInfo) []Tensor {
+	out := make([]Tensor, len(infos))
+	for i, ti := range infos {
+		out[i] = Tensor{Name: ti.Name, DType: ti.DType.TorchName(), Shape: slices.Clone(ti.Shape), Size: ti.Size}
+	}
+	return out
+}
+
+// Validate checks that names are unique and non-empty, dtypes known, shapes
+// non-negative and sizes equal to prod(shape) * itemsize.
+func Validate(tensors []Tensor) error {
+	seen := make(map[string]int, len(tensors))
+	for i, t := range tensors {
+		if t.Name == "" {
+			return fmt.Errorf("plan: tensor %d: empty name", i)
+		}
+		if j, dup := seen[t.Name]; dup {
+			return fmt.Errorf("plan: tensor %q appears twice (positions %d and %d)", t.Name, j, i)
+		}
+		seen[t.Name] = i
+		d, err := safetensors.DTypeFromTorch(t.DType)
+		if err != nil {
+			return fmt.Errorf("plan: tensor %q: unknown dtype %q", t.Name, t.DType)
+		}
+		want, ok := uint64(d.ItemSize()), true
+		zero := false
+		for _, dim := range t.Shape {
+			if dim < 0 {
+				return fmt.Errorf("plan: tensor %q: negative dimension in shape %v", t.Name, t.Shape)
+			}
+			zero = zero || dim == 0
+		}
+		if zero {
+			want = 0
+		} else {
+			for _, dim := range t.Shape {
+				hi, lo := bits.Mul64(want, uint64(dim))
+				if hi != 0 || lo > math.MaxInt64 {
+					ok = false
+					break
+				}
+				want = lo
+			}
+		}
+		if !ok {
+			return fmt.Errorf("plan: tensor %q: shape %v overflows", t.Name, t.Shape)
+		}
+		if uint64(t.Size) != want || t.Size < 0 {
+			return fmt.Errorf("plan: tensor %q: size %d, but shape %v of %s is %d bytes", t.Name, t.Size, t.Shape, t.DType, want)
+		}
+	}
+	return nil
+}
+
+// Chunk is one packed broadcast.
+type Chunk struct {
+	Tensors []int   // indices into the tensor list, ascending and consecutive
+	Offsets []int64 // byte offset of each tensor within the chunk
+	Size    int64   // total bytes: the ncclBroadcast count (ncclUint8)
+}
+
+// Packed groups tensors into chunks for packed transfer with threshold T =
+// packed_buffer_size_bytes (see the package comment for the rule). A tensor
+// larger than T is a chunk by itself. It does not validate; see Validate.
+func Packed(tensors []Tensor, threshold int64) []Chunk {
+	var chunks []Chunk
+	var cur Chunk
+	for i, t := range tensors {
+		cur.Tensors = append(cur.Tensors, i)
+		cur.Offsets = append(cur.Offsets, cur.Size)
+		cur.Size += t.Size
+		if cur.Size > threshold {
+			chunks = append(chunks, cur)
+			cur = Chunk{}
+		}
+	}
+	if len(cur.Tensors) > 0 {
+		chunks = append(chunks, cur)
+	}
+	return chunks
+}
+
+// DataType is ncclDataType_t.
+type DataType int
+
+// ncclDataType_t values (nccl.h).
+const (
+	Int8     DataType = 0
+	Uint8    DataType = 1
+	Int32    DataType = 2
+	Uint32   DataType = 3
+	Int64    DataType = 4
+	Uint64   DataType = 5
+	Float16  DataType = 6
+	Float32  DataType = 7
+	Float64  DataType = 8
+	Bfloat16 DataType = 9
+)
+
+var dataTypeNames = map[DataType]string{
+	Int8: "ncclInt8", Uint8: "ncclUint8", Int32: "ncclInt32", Uint32: "ncclUint32",
+	Int64: "ncclInt64", Uint64: "ncclUint64", Float16: "ncclFloat16",
+	Float32: "ncclFloat32", Float64: "ncclFloat64", Bfloat16: "ncclBfloat16",
+}
+
+func (d DataType) String() string {
+	if s, ok := dataTypeNames[d]; ok {
+		return s
+	}
+	return fmt.Sprintf("ncclDataType(%d)", int(d))
+}
+
+// vllmDataTypes is vLLM's ncclDataTypeEnum.from_torch: eight dtypes. NCCL
+// also has Uint32 and Uint64, but a vLLM worker raises on them.
+var vllmDataTypes = map[string]DataType{
+	"int8": Int8, "uint8": Uint8, "int32": Int32, "int64": Int64,
+	"float16": Float16, "float32": Float32, "float64": Float64, "bfloat16": Bfloat16,
+}
+
+// NCCLDataType maps a torch dtype name to the NCCL type a vLLM worker
+// broadcasts it with.
+func NCCLDataType(torchDType string) (DataType, error) {
+	d, ok := vllmDataTypes[torchDType]
+	if !ok {
+		return 0, fmt.Errorf("plan: dtype %q has no NCCL type in vLLM's non-packed path (only int8, uint8, int32, int64, float16, float32, float64, bfloat16); use packed transfer", torchDType)
+	}
+	return d, nil
+}
+
+// Broadcast is one non-packed ncclBroadcast.
+type Broadcast struct {
+	Tensor int // index into the tensor list
+	DType  DataType
+	Count  int64 // elements of DType (ncclBroadcast's count)
+	Size   int64 // bytes
+}
+
+// NonPacked returns one broadcast per tensor, in order. It fails on the
+// first tensor vLLM cannot receive this way, or whose size is not a whole
+// number of elements.
+func NonPacked(tensors []Tensor) ([]Broadcast, error) {
+	out := make([]Broadcast, len(tensors))
+	for i, t := range tensors {
+		d, err := NCCLDataType(t.DType)
+		if err != nil {
+			return nil, fmt.Errorf("plan: tensor %q: %w", t.Name, err)
+		}
+		st, _ := safetensors.DTypeFromTorch(t.DType) // every vLLM dtype is known
+		item := int64(st.ItemSize())
+		if t.Size < 0 || t.Size%item != 0 {
+			return nil, fmt.Errorf("plan: tensor %q: size %d is not a multiple of the %s item size %d", t.Name, t.Size, t.DType, item)
+		}
+		out[i] = Broadcast{Tensor: i, DType: d, Count: t.Size / item, Size: t.Size}
+	}
+	return out, nil
+}
+
+// UpdateInfo is the part of update_info every API generation takes.
+type UpdateInfo struct {
+	Names      []string  `json:"names"`
+	DTypeNames []string  `json:"dtype_names"`
+	Shapes     [][]int64 `json:"shapes"`
+}
+
+// PackedFields are the packed-transfer settings: in update_info for API
+// generations B and C, in init_info for D (and only packed for A).
+type PackedFields struct {
+	Packed          bool  `json:"packed"`
+	BufferSizeBytes int64 `json:"packed_buffer_size_bytes"`
+	NumBuffers      int   `json:"packed_num_buffers"`
+}
+
+// Defaults of vLLM's packed transfer.
+const (
+	DefaultBufferSizeBytes = 1 << 30
+	DefaultNumBuffers      = 2
+)
+
+// NewUpdateInfo builds the metadata from the same list the broadcasts are
+// planned from, after Validate. Shapes are never null in JSON (a scalar is []).
+func NewUpdateInfo(tensors []Tensor) (UpdateInfo, error) {
+	if err := Validate(tensors); err != nil {
+		return UpdateInfo{}, err
+	}
+	u := UpdateInfo{
+		Names:      make([]string, len(tensors)),
+		DTypeNames: make([]string, len(tensors)),
+		Shapes:     make([][]int64, len(tensors)),
+	}
+	for i, t := range tensors {
+		u.Names[i] = t.Name
+		u.DTypeNames[i] = t.DType
+		u.Shapes[i] = append([]int64{}, t.Shape...)
+	}
+	return u, nil
+}
+
+// TotalBytes is the sum of the tensor sizes.
+func TotalBytes(tensors []Tensor) int64 {
+	var n int64
+	for _, t := range tensors {
+		n += t.Size
+	}
+	return n
+}
