@@ -1,0 +1,74 @@
+package vllm
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"strconv"
+)
+
+// Pause modes (POST /pause?mode=...).
+const (
+	// PauseAbort aborts in-flight requests (they finish with reason "abort").
+	PauseAbort = "abort"
+	// PauseWait lets in-flight requests finish; the call returns after them.
+	PauseWait = "wait"
+	// PauseKeep freezes in-flight requests; they continue on resume.
+	PauseKeep = "keep"
+)
+
+// WorldSize returns the server's world size: TP×PP×DP with includeDP,
+// TP×PP without.
+func (c *Client) WorldSize(ctx context.Context, includeDP bool) (int, error) {
+	cl := call{method: http.MethodGet, path: "/get_world_size", query: url.Values{"include_dp": {strconv.FormatBool(includeDP)}},
+		timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	var v struct {
+		WorldSize *int `json:"world_size"`
+	}
+	if _, err := c.do(ctx, cl, &v); err != nil {
+		return 0, err
+	}
+	if v.WorldSize == nil || *v.WorldSize < 1 {
+		return 0, c.errorf(cl, http.StatusOK, nil, "response has no positive world_size")
+	}
+	return *v.WorldSize, nil
+}
+
+// Pause stops generation in the given mode (PauseAbort, PauseWait or
+// PauseKeep; nothing else is accepted, so no mode is defaulted silently).
+// Pausing a paused server succeeds. Retried: a repeated pause is harmless.
+func (c *Client) Pause(ctx context.Context, mode string) error {
+	cl := call{method: http.MethodPost, path: "/pause", query: url.Values{"mode": {mode}},
+		timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	switch mode {
+	case PauseAbort, PauseKeep:
+	case PauseWait:
+		cl.timeout, cl.timeoutOf = c.opts.Timeouts.generate(), "Generate"
+	default:
+		return c.errorf(cl, 0, nil, "pause mode %q, want abort, wait or keep", mode)
+	}
+	_, err := c.do(ctx, cl, nil)
+	return err
+}
+
+// Resume restarts generation. Resuming a running server succeeds. Retried.
+func (c *Client) Resume(ctx context.Context) error {
+	cl := call{method: http.MethodPost, path: "/resume", timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	_, err := c.do(ctx, cl, nil)
+	return err
+}
+
+// IsPaused reports whether generation is paused.
+func (c *Client) IsPaused(ctx context.Context) (bool, error) {
+	cl := call{method: http.MethodGet, path: "/is_paused", timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	var v struct {
+		IsPaused *bool `json:"is_paused"`
+	}
+	if _, err := c.do(ctx, cl, &v); err != nil {
+		return false, err
+	}
+	if v.IsPaused == nil {
+		return false, c.errorf(cl, http.StatusOK, nil, "response has no is_paused")
+	}
+	return *v.IsPaused, nil
+}

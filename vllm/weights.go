@@ -1,0 +1,354 @@
+package vllm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"path/filepath"
+)
+
+// InitInfo is the trainer's side of init_weight_transfer_engine. Which
+// fields reach the wire depends on the generation (see InitWeightTransfer).
+type InitInfo struct {
+	// Disk selects the disk backend: init_info is {} and every other field
+	// must be zero.
+	Disk bool
+
+	MasterAddress string // the trainer's TCPStore host (bound exactly by rank 0)
+	MasterPort    int
+	RankOffset    int // this server's first rank; the first server gets 1
+	WorldSize     int // the whole group: 1 (trainer) + every server's world size
+
+	// Packed settings are sent in init_info only on D; B and C take them in
+	// update_info (UpdateInfo), so here they are dropped for B/C/A.
+	Packed                bool
+	PackedBufferSizeBytes int64 // 0: the server's default (1 GiB)
+	PackedNumBuffers      int   // 0: the server's default (2)
+
+	// NCCLUniqueIDB64 (D only, newest builds) replaces MasterAddress and
+	// MasterPort: the id travels in the request, no TCPStore is involved.
+	NCCLUniqueIDB64 string
+}
+
+// UpdateInfo describes one update_weights call: NCCL metadata (Names,
+// DTypeNames, Shapes in broadcast order) or, for the disk backend, Path.
+type UpdateInfo struct {
+	Names      []string
+	DTypeNames []string  // torch names: "bfloat16", "float32", ...
+	Shapes     [][]int64 // one per name; [] for a scalar
+
+	// Packed settings are sent in update_info on A (packed only), B and C.
+	// On D they were fixed by init_info and are not sent here (a 500 there),
+	// but pass the same values so the caller's broadcast plan is the same.
+	Packed                bool
+	PackedBufferSizeBytes int64
+	PackedNumBuffers      int
+
+	// Path is the absolute checkpoint directory (*.safetensors) for the
+	// disk backend (C and D); it excludes the NCCL fields.
+	Path string
+
+	// CheckpointBytes sizes the deadline when Timeouts.Update is zero
+	// (UpdateTimeoutFor); it is never sent.
+	CheckpointBytes int64
+}
+
+// Wire shapes. Field order is the JSON order; omitempty keeps keys a
+// generation does not know off the wire.
+type (
+	ncclInitInfo struct {
+		MasterAddress         string `json:"master_address,omitempty"`
+		MasterPort            int    `json:"master_port,omitempty"`
+		RankOffset            int    `json:"rank_offset"`
+		WorldSize             int    `json:"world_size"`
+		Packed                bool   `json:"packed,omitempty"`
+		PackedBufferSizeBytes int64  `json:"packed_buffer_size_bytes,omitempty"`
+		PackedNumBuffers      int    `json:"packed_num_buffers,omitempty"`
+		NCCLUniqueIDB64       string `json:"nccl_unique_id_b64,omitempty"`
+	}
+	ncclUpdateInfo struct {
+		Names                 []string  `json:"names"`
+		DTypeNames            []string  `json:"dtype_names"`
+		Shapes                [][]int64 `json:"shapes"`
+		Packed                bool      `json:"packed,omitempty"`
+		PackedBufferSizeBytes int64     `json:"packed_buffer_size_bytes,omitempty"`
+		PackedNumBuffers      int       `json:"packed_num_buffers,omitempty"`
+	}
+	diskUpdateInfo struct {
+		Path string `json:"path"`
+	}
+)
+
+// InitWeightTransfer calls init_weight_transfer_engine (/init_weight_transfer
+// on A). On the NCCL backend the call blocks until every worker joined the
+// trainer's group: the trainer must host its TCPStore and take part in the
+// NCCL init concurrently (call this from another goroutine). Never retried.
+//
+// Placement: A, B, C send {master_address, master_port, rank_offset,
+// world_size}; D adds packed, packed_buffer_size_bytes, packed_num_buffers
+// (when Packed) and may replace address and port by nccl_unique_id_b64.
+func (c *Client) InitWeightTransfer(ctx context.Context, info InitInfo) error {
+	cl := call{method: http.MethodPost, path: "/init_weight_transfer_engine", timeout: c.opts.Timeouts.init(), timeoutOf: "Init"}
+	gen, err := c.generation(ctx)
+	if err != nil {
+		return err
+	}
+	if gen == GenA {
+		cl.path = "/init_weight_transfer"
+	}
+	payload, err := initPayload(gen, info)
+	if err != nil {
+		return c.errorf(cl, 0, nil, "%v", err)
+	}
+	_, err = c.do(ctx, withBody(cl, map[string]any{"init_info": payload}), nil)
+	return err
+}
+
+func withBody(cl call, body any) call { cl.body = body; return cl }
+
+func initPayload(gen Generation, info InitInfo) (any, error) {
+	if info.Disk {
+		if info != (InitInfo{Disk: true}) {
+			return nil, fmt.Errorf("disk backend: init_info is {}, but NCCL fields are set")
+		}
+		if !gen.hasSessions() {
+			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
+		}
+		return struct{}{}, nil
+	}
+	if info.NCCLUniqueIDB64 != "" {
+		if gen != GenD {
+			return nil, fmt.Errorf("nccl_unique_id_b64 needs generation D, server is %s", gen)
+		}
+		if info.MasterAddress != "" || info.MasterPort != 0 {
+			return nil, fmt.Errorf("nccl_unique_id_b64 replaces master_address/master_port: set one or the other")
+		}
+		if err := checkUniqueID(info.NCCLUniqueIDB64); err != nil {
+			return nil, err
+		}
+	} else {
+		if info.MasterAddress == "" {
+			return nil, fmt.Errorf("init_info: master_address is empty")
+		}
+		if info.MasterPort < 1 || info.MasterPort > 65535 {
+			return nil, fmt.Errorf("init_info: master_port %d out of range 1..65535", info.MasterPort)
+		}
+	}
+	if info.RankOffset < 1 {
+		return nil, fmt.Errorf("init_info: rank_offset %d, want >= 1 (rank 0 is the trainer)", info.RankOffset)
+	}
+	if info.WorldSize <= info.RankOffset {
+		return nil, fmt.Errorf("init_info: world_size %d must exceed rank_offset %d", info.WorldSize, info.RankOffset)
+	}
+	if err := checkPacked(info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers); err != nil {
+		return nil, err
+	}
+	p := ncclInitInfo{
+		MasterAddress:   info.MasterAddress,
+		MasterPort:      info.MasterPort,
+		RankOffset:      info.RankOffset,
+		WorldSize:       info.WorldSize,
+		NCCLUniqueIDB64: info.NCCLUniqueIDB64,
+	}
+	if gen == GenD {
+		p.Packed, p.PackedBufferSizeBytes, p.PackedNumBuffers = info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers
+	}
+	return p, nil
+}
+
+func checkPacked(packed bool, size int64, buffers int) error {
+	if size < 0 || buffers < 0 {
+		return fmt.Errorf("packed_buffer_size_bytes %d and packed_num_buffers %d must not be negative", size, buffers)
+	}
+	if !packed && (size != 0 || buffers != 0) {
+		return fmt.Errorf("packed buffer settings given but packed is false")
+	}
+	return nil
+}
+
+// StartWeightUpdate opens an update session (C, D). A and B have no
+// sessions: it returns nil without a request. Never retried: a retry after a
+// lost answer would hit "session already open".
+func (c *Client) StartWeightUpdate(ctx context.Context) error {
+	gen, err := c.generation(ctx)
+	if err != nil || !gen.hasSessions() {
+		return err
+	}
+	// {} rather than no body: some C builds parse the body (optional
+	// is_checkpoint_format) and answer 400 to an empty one.
+	cl := call{method: http.MethodPost, path: "/start_weight_update", body: struct{}{}, timeout: c.opts.Timeouts.control(), timeoutOf: "Control"}
+	_, err = c.do(ctx, cl, nil)
+	return err
+}
+
+// UpdateWeights calls update_weights. On NCCL it blocks until every
+// broadcast of the update was received and loaded: run the trainer's
+// broadcasts concurrently. Never retried.
+//
+// Placement: A sends {names, dtype_names, shapes, packed}; B and C add
+// packed_buffer_size_bytes and packed_num_buffers; D sends only names,
+// dtype_names and shapes. The disk backend sends {path}.
+func (c *Client) UpdateWeights(ctx context.Context, info UpdateInfo) error {
+	cl := call{method: http.MethodPost, path: "/update_weights", timeout: c.opts.Timeouts.update(info.CheckpointBytes), timeoutOf: "Update"}
+	gen, err := c.generation(ctx)
+	if err != nil {
+		return err
+	}
+	payload, err := updatePayload(gen, info)
+	if err != nil {
+		return c.errorf(cl, 0, nil, "%v", err)
+	}
+	_, err = c.do(ctx, withBody(cl, map[string]any{"update_info": payload}), nil)
+	return err
+}
+
+func updatePayload(gen Generation, info UpdateInfo) (any, error) {
+	if info.Path != "" {
+		if len(info.Names) > 0 || len(info.DTypeNames) > 0 || len(info.Shapes) > 0 || info.Packed {
+			return nil, fmt.Errorf("update_info: path (disk) and NCCL tensor metadata are exclusive")
+		}
+		if !filepath.IsAbs(info.Path) {
+			return nil, fmt.Errorf("update_info: path %q must be absolute (every worker resolves it)", info.Path)
+		}
+		if !gen.hasSessions() {
+			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
+		}
+		return diskUpdateInfo{Path: info.Path}, nil
+	}
+	// A length mismatch makes vLLM wait for bytes that never come (or send
+	// the trainer's broadcasts nowhere): refuse it before any byte moves.
+	n := len(info.Names)
+	if n == 0 {
+		return nil, fmt.Errorf("update_info: no tensors (names is empty) and no path")
+	}
+	if len(info.DTypeNames) != n || len(info.Shapes) != n {
+		return nil, fmt.Errorf("update_info: %d names, %d dtype_names, %d shapes: lengths must match", n, len(info.DTypeNames), len(info.Shapes))
+	}
+	if err := checkPacked(info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers); err != nil {
+		return nil, err
+	}
+	shapes := make([][]int64, n)
+	for i, s := range info.Shapes {
+		for _, d := range s {
+			if d < 0 {
+				return nil, fmt.Errorf("update_info: tensor %q has negative dimension in shape %v", info.Names[i], s)
+			}
+		}
+		shapes[i] = append([]int64{}, s...) // [] for a scalar, never null
+	}
+	p := ncclUpdateInfo{Names: info.Names, DTypeNames: info.DTypeNames, Shapes: shapes}
+	switch gen {
+	case GenA:
+		if info.PackedBufferSizeBytes != 0 || info.PackedNumBuffers != 0 {
+			return nil, fmt.Errorf("generation A derives the packed chunk size itself: packed buffer settings cannot be sent")
+		}
+		p.Packed = info.Packed
+	case GenB, GenC:
+		p.Packed, p.PackedBufferSizeBytes, p.PackedNumBuffers = info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers
+	}
+	return p, nil
+}
+
+// FinishWeightUpdate closes the update session (C, D), recording version
+// when it is not empty ({"weight_version": version}). On A it calls
+// /finalize_weight_update; B has neither, so it returns nil without a
+// request. A and B do not track versions: version is not sent there. Never
+// retried.
+func (c *Client) FinishWeightUpdate(ctx context.Context, version string) error {
+	gen, err := c.generation(ctx)
+	if err != nil {
+		return err
+	}
+	cl := call{method: http.MethodPost, path: "/finish_weight_update", body: struct{}{}, timeout: c.opts.Timeouts.control(), timeoutOf: "Control"}
+	switch {
+	case gen == GenA:
+		cl.path = "/finalize_weight_update"
+	case gen == GenB:
+		return nil
+	case version != "":
+		cl.body = map[string]string{"weight_version": version}
+	}
+	_, err = c.do(ctx, cl, nil)
+	return err
+}
+
+// UpdateWeightVersion sets the server's weight version label (C, D).
+func (c *Client) UpdateWeightVersion(ctx context.Context, version string) error {
+	cl := call{method: http.MethodPost, path: "/update_weight_version", timeout: c.opts.Timeouts.control(), timeoutOf: "Control",
+		body: map[string]string{"new_version": version}}
+	if err := c.needSessions(ctx, cl); err != nil {
+		return err
+	}
+	if version == "" {
+		return c.errorf(cl, 0, nil, "new_version is empty")
+	}
+	_, err := c.do(ctx, cl, nil)
+	return err
+}
+
+// WeightInfo returns the server's weight version (C, D); "" when the server
+// reports none yet (null). A numeric version is returned in decimal.
+func (c *Client) WeightInfo(ctx context.Context) (string, error) {
+	cl := call{method: http.MethodGet, path: "/weight_info", timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	if err := c.needSessions(ctx, cl); err != nil {
+		return "", err
+	}
+	var v struct {
+		WeightVersion json.RawMessage `json:"weight_version"`
+	}
+	if _, err := c.do(ctx, cl, &v); err != nil {
+		return "", err
+	}
+	raw := v.WeightVersion
+	if len(raw) == 0 {
+		return "", c.errorf(cl, http.StatusOK, nil, "response has no weight_version")
+	}
+	if string(raw) == "null" {
+		return "", nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s, nil
+	}
+	var n json.Number
+	if json.Unmarshal(raw, &n) == nil {
+		return n.String(), nil
+	}
+	return "", c.errorf(cl, http.StatusOK, nil, "weight_version %s is neither a string nor a number", clip(string(raw)))
+}
+
+// WeightChecker runs the server's weight checker (C, D): action "checksum",
+// "reset" or "compare" (with baseline, typically an earlier checksum
+// answer; nil omits it). The server answers 409 while paused. It reads
+// every weight, so it runs under the update deadline. Not retried (reset
+// changes state).
+func (c *Client) WeightChecker(ctx context.Context, action string, baseline any) (json.RawMessage, error) {
+	body := map[string]any{"action": action}
+	if baseline != nil {
+		body["baseline"] = baseline
+	}
+	cl := call{method: http.MethodPost, path: "/weight_checker", body: body, timeout: c.opts.Timeouts.update(0), timeoutOf: "Update"}
+	if err := c.needSessions(ctx, cl); err != nil {
+		return nil, err
+	}
+	if action == "" {
+		return nil, c.errorf(cl, 0, nil, "action is empty (checksum, reset or compare)")
+	}
+	var out json.RawMessage
+	if _, err := c.do(ctx, cl, &out); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *Client) needSessions(ctx context.Context, cl call) error {
+	gen, err := c.generation(ctx)
+	if err != nil {
+		return err
+	}
+	if !gen.hasSessions() {
+		return c.errorf(cl, 0, nil, "not available on generation %s (C or D needed)", gen)
+	}
+	return nil
+}
