@@ -1,0 +1,441 @@
+package nccl
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+)
+
+func newID(t *testing.T, f *Fake) UniqueID {
+	t.Helper()
+	id, err := f.GetUniqueID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// alloc makes a device buffer on the comm's thread and fills it with data.
+func fill(t *testing.T, c *Comm, data []byte) DevPtr {
+	t.Helper()
+	var p DevPtr
+	err := c.Device().Do(context.Background(), func(api API) error {
+		var err error
+		if p, err = api.Malloc(len(data)); err != nil {
+			return err
+		}
+		h, err := api.HostAlloc(len(data), HostAllocPortable)
+		if err != nil {
+			return err
+		}
+		copy(h, data)
+		if err := api.MemcpyHtoDAsync(p, h, c.Stream()); err != nil {
+			return err
+		}
+		if err := api.StreamSynchronize(c.Stream()); err != nil {
+			return err
+		}
+		return api.FreeHost(h)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func free(t *testing.T, c *Comm, p DevPtr) {
+	t.Helper()
+	if err := c.Device().Do(context.Background(), func(api API) error { return api.Free(p) }); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func checkOneThread(t *testing.T, calls []Call) {
+	t.Helper()
+	threads := map[CommHandle]int{}
+	for _, c := range calls {
+		if tid, ok := threads[c.Comm]; ok && tid != c.Thread {
+			t.Fatalf("%s on comm %#x ran on thread %d, earlier calls on %d", c.Op, c.Comm, c.Thread, tid)
+		}
+		threads[c.Comm] = c.Thread
+	}
+}
+
+func TestCommInitWarmupBroadcastClose(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true, VirtualJoinDelay: 20 * time.Millisecond, KeepData: true})
+	ctx := context.Background()
+	c, err := NewComm(ctx, f, 0, 3, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload := []byte("weights, 19 bytes!!")
+	p := fill(t, c, payload)
+	if err := c.Broadcast(ctx, p, len(payload), Uint8); err != nil {
+		t.Fatal(err)
+	}
+	free(t, c, p)
+	if err := c.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(ctx); err != nil {
+		t.Fatalf("second close: %v", err)
+	}
+	if err := c.Broadcast(ctx, p, 1, Uint8); !errors.Is(err, ErrClosed) {
+		t.Fatalf("broadcast after close: %v, want ErrClosed", err)
+	}
+
+	calls := f.Calls()
+	var ops []string
+	for _, c := range calls {
+		ops = append(ops, c.Op)
+	}
+	want := []string{"CommInitRank", "AllReduce", "Broadcast", "CommFinalize", "CommDestroy"}
+	if len(ops) != len(want) {
+		t.Fatalf("calls %v, want %v", ops, want)
+	}
+	for i := range want {
+		if ops[i] != want[i] {
+			t.Fatalf("calls %v, want %v", ops, want)
+		}
+	}
+	if ar := calls[1]; ar.Count != 1 || ar.DType != Float32 || ar.Bytes != 4 || ar.Index != 0 || ar.World != 3 {
+		t.Errorf("warm-up %+v, want 1 x float32 as collective 0 of a 3-rank comm", ar)
+	}
+	if b := calls[2]; b.Count != len(payload) || b.DType != Uint8 || b.Root != 0 || b.Send != b.Recv || !bytes.Equal(b.Data, payload) {
+		t.Errorf("broadcast %+v, want %d x uint8 root 0 in place carrying %q", b, len(payload), payload)
+	}
+	checkOneThread(t, calls)
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+}
+
+func TestTwoRanksMoveBytes(t *testing.T) {
+	f := NewFake(FakeConfig{Devices: 2, OpDelay: time.Millisecond})
+	id := newID(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	payload := bytes.Repeat([]byte{1, 2, 3, 4, 5, 6, 7}, 1000)
+
+	var wg sync.WaitGroup
+	var got []byte
+	var rerr error
+	wg.Add(1)
+	go func() { // the receiver, on device 1
+		defer wg.Done()
+		c, err := NewComm(ctx, f, 1, 2, 1, id)
+		if err != nil {
+			rerr = err
+			return
+		}
+		defer c.Close(ctx)
+		var p DevPtr
+		if err := c.Device().Do(ctx, func(api API) error {
+			p, err = api.Malloc(len(payload))
+			return err
+		}); err != nil {
+			rerr = err
+			return
+		}
+		if err := c.Broadcast(ctx, p, len(payload)/4, Int32); err != nil {
+			rerr = err
+			return
+		}
+		got, rerr = f.DeviceBytes(p, len(payload))
+		_ = c.Device().Do(ctx, func(api API) error { return api.Free(p) })
+	}()
+	c, err := NewComm(ctx, f, 0, 2, 0, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := fill(t, c, payload)
+	if err := c.Broadcast(ctx, p, len(payload)/4, Int32); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	if rerr != nil {
+		t.Fatalf("receiver: %v", rerr)
+	}
+	if !bytes.Equal(got, payload) {
+		t.Fatal("receiver got different bytes")
+	}
+	free(t, c, p)
+	if err := c.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, call := range f.Calls() {
+		if want := call.Rank; call.Device != want {
+			t.Errorf("%s of rank %d ran on device %d, want %d", call.Op, call.Rank, call.Device, want)
+		}
+	}
+	checkOneThread(t, f.Calls())
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+}
+
+func TestPeerNeverJoins(t *testing.T) {
+	f := NewFake(FakeConfig{}) // no virtual peers: rank 1 never comes
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := NewComm(ctx, f, 0, 2, 0, newID(t, f))
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("got %v, want a deadline error", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("took %v after a 100ms deadline", d)
+	}
+	calls := f.Calls()
+	if last := calls[len(calls)-1]; last.Op != "CommAbort" {
+		t.Fatalf("last call %s, want CommAbort (so NCCL stops waiting)", last.Op)
+	}
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+	t.Logf("error: %v", err)
+}
+
+func stallBroadcasts(f *Fake) {
+	f.OnCollective(func(c Call) Fault { return Fault{Stall: c.Op == "Broadcast"} })
+}
+
+func TestBroadcastDeadlineAbortsAndPoisons(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true})
+	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := fill(t, c, make([]byte, 64))
+	stallBroadcasts(f)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	err = c.Broadcast(ctx, p, 64, Uint8)
+	if !errors.Is(err, ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("got %v, want ErrAborted wrapping the deadline", err)
+	}
+	n := len(f.Calls())
+	start := time.Now()
+	for _, call := range []func() error{
+		func() error { return c.Broadcast(context.Background(), p, 64, Uint8) },
+		func() error { return c.BroadcastAsync(context.Background(), p, 64, Uint8, Order{}) },
+		func() error { return c.Synchronize(context.Background()) },
+	} {
+		if err := call(); !errors.Is(err, ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("call on a poisoned comm: %v, want the original poison", err)
+		}
+	}
+	if time.Since(start) > time.Second || len(f.Calls()) != n {
+		t.Fatal("calls on a poisoned comm should fail fast without reaching NCCL")
+	}
+	if !errors.Is(c.Err(), ErrAborted) {
+		t.Fatalf("Err() = %v", c.Err())
+	}
+	free(t, c, p)
+	if err := c.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+	checkOneThread(t, f.Calls())
+}
+
+func TestAsyncErrorAborts(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true})
+	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	p := fill(t, c, make([]byte, 8))
+	defer free(t, c, p)
+	f.OnCollective(func(c Call) Fault {
+		if c.Op == "Broadcast" {
+			return Fault{Err: RemoteError, Delay: 10 * time.Millisecond}
+		}
+		return Fault{}
+	})
+	// No deadline: only the asynchronous error can end this wait.
+	err = c.Broadcast(context.Background(), p, 8, Uint8)
+	if !errors.Is(err, ErrAborted) || !errors.Is(err, RemoteError) {
+		t.Fatalf("got %v, want ErrAborted wrapping ncclRemoteError", err)
+	}
+	var e *Error
+	if !errors.As(err, &e) || e.Detail == "" {
+		t.Fatalf("want an *Error with NCCL's detail, got %v", err)
+	}
+	calls := f.Calls()
+	if calls[len(calls)-1].Op != "CommAbort" {
+		t.Fatal("the comm was not aborted")
+	}
+}
+
+func TestAbortFromAnotherGoroutine(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true})
+	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := fill(t, c, make([]byte, 8))
+	stallBroadcasts(f)
+	cause := errors.New("init_weight_transfer_engine answered 500")
+	time.AfterFunc(30*time.Millisecond, func() { c.Abort(cause) })
+	err = c.Broadcast(context.Background(), p, 8, Uint8)
+	if !errors.Is(err, ErrAborted) || !errors.Is(err, cause) {
+		t.Fatalf("got %v, want ErrAborted wrapping the caller's cause", err)
+	}
+	free(t, c, p)
+	if err := c.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+}
+
+func TestCloseWhileWaiting(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true})
+	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := fill(t, c, make([]byte, 8))
+	stallBroadcasts(f)
+	done := make(chan error, 1)
+	go func() { done <- c.Broadcast(context.Background(), p, 8, Uint8) }()
+	time.Sleep(20 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if err := c.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, ErrAborted) {
+		t.Fatalf("broadcast interrupted by Close: %v", err)
+	}
+	// The buffer outlived the comm's actor: free it on a fresh device actor.
+	d, err := OpenDevice(f, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if err := d.Do(context.Background(), func(api API) error { return api.Free(p) }); err != nil {
+		t.Fatal(err)
+	}
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+}
+
+// The fake must catch a broadcast that is not ordered after its copy: the
+// copy is held back on its stream, so only the event can order them.
+func TestBroadcastAsyncOrdersAfterEvent(t *testing.T) {
+	for _, ordered := range []bool{true, false} {
+		f := NewFake(FakeConfig{VirtualPeers: true, KeepData: true})
+		ctx := context.Background()
+		c, err := NewComm(ctx, f, 0, 2, 0, newID(t, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		payload := []byte("ordered bytes")
+		var p DevPtr
+		var host []byte
+		var copyStream Stream
+		var copied, sent Event
+		var release func()
+		err = c.Device().Do(ctx, func(api API) error {
+			var err error
+			p, _ = api.Malloc(len(payload))
+			host, _ = api.HostAlloc(len(payload), 0)
+			copy(host, payload)
+			copyStream, _ = api.StreamCreate(StreamNonBlocking)
+			copied, _ = api.EventCreate(EventDisableTiming)
+			sent, _ = api.EventCreate(EventDisableTiming)
+			// Hold the copy until the broadcast was enqueued.
+			if release, err = f.Hold(copyStream); err != nil {
+				return err
+			}
+			if err = api.MemcpyHtoDAsync(p, host, copyStream); err != nil {
+				return err
+			}
+			return api.EventRecord(copied, copyStream)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		after := copied
+		if !ordered {
+			after = 0
+		}
+		if err := c.BroadcastAsync(ctx, p, len(payload), Uint8, Order{After: after, Done: sent}); err != nil {
+			t.Fatal(err)
+		}
+		if !ordered {
+			// Let the unordered broadcast run first, then the copy.
+			time.Sleep(20 * time.Millisecond)
+		}
+		release()
+		if err := c.WaitEvent(ctx, sent); err != nil {
+			t.Fatal(err)
+		}
+		got := f.Collectives(0)[1].Data
+		if ordered != bytes.Equal(got, payload) {
+			t.Errorf("ordered=%v: broadcast carried %q", ordered, got)
+		}
+		_ = c.Device().Do(ctx, func(api API) error {
+			_ = api.StreamSynchronize(copyStream)
+			_ = api.StreamDestroy(copyStream)
+			_ = api.EventDestroy(copied)
+			_ = api.EventDestroy(sent)
+			_ = api.FreeHost(host)
+			return api.Free(p)
+		})
+		if err := c.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if l := f.Leaks(); l != "" {
+			t.Errorf("leaked %s", l)
+		}
+	}
+}
+
+func TestPeerAbortIsRemoteError(t *testing.T) {
+	f := NewFake(FakeConfig{Devices: 2})
+	id := newID(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	var c1 *Comm
+	var err1 error
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		c1, err1 = NewComm(ctx, f, 1, 2, 1, id)
+	}()
+	c0, err := NewComm(ctx, f, 0, 2, 0, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	if err1 != nil {
+		t.Fatal(err1)
+	}
+	p := fill(t, c1, make([]byte, 16))
+	// Rank 1 waits in a broadcast rank 0 never issues; rank 0 gives up.
+	done := make(chan error, 1)
+	go func() { done <- c1.Broadcast(ctx, p, 16, Uint8) }()
+	time.Sleep(10 * time.Millisecond)
+	c0.Abort(errors.New("trainer gave up"))
+	if err := <-done; !errors.Is(err, RemoteError) {
+		t.Fatalf("peer saw %v, want ncclRemoteError", err)
+	}
+	free(t, c1, p)
+	c1.Close(ctx)
+	c0.Close(ctx)
+	if l := f.Leaks(); l != "" {
+		t.Errorf("leaked %s", l)
+	}
+}

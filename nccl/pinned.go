@@ -1,0 +1,55 @@
+package nccl
+
+import (
+	"sort"
+	"sync"
+	"unsafe"
+)
+
+// pinnedSet remembers which host ranges are page-locked, so that an
+// asynchronous copy from anything else (Go memory above all: C must not
+// keep Go pointers past the call) is refused instead of racing the GC.
+type pinnedSet struct {
+	mu    sync.Mutex
+	spans []pinnedSpan // sorted by start, non-overlapping
+}
+
+type pinnedSpan struct {
+	start, end uintptr
+	alloc      bool // from HostAlloc (else HostRegister)
+}
+
+func spanOf(b []byte) (uintptr, uintptr) {
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return p, p + uintptr(len(b))
+}
+
+func (p *pinnedSet) add(b []byte, alloc bool) {
+	s, e := spanOf(b)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i := sort.Search(len(p.spans), func(i int) bool { return p.spans[i].start >= s })
+	p.spans = append(p.spans, pinnedSpan{})
+	copy(p.spans[i+1:], p.spans[i:])
+	p.spans[i] = pinnedSpan{s, e, alloc}
+}
+
+func (p *pinnedSet) remove(b []byte, alloc bool) bool {
+	s, _ := spanOf(b)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i := sort.Search(len(p.spans), func(i int) bool { return p.spans[i].start >= s })
+	if i == len(p.spans) || p.spans[i].start != s || p.spans[i].alloc != alloc {
+		return false
+	}
+	p.spans = append(p.spans[:i], p.spans[i+1:]...)
+	return true
+}
+
+func (p *pinnedSet) contains(b []byte) bool {
+	s, e := spanOf(b)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i := sort.Search(len(p.spans), func(i int) bool { return p.spans[i].start > s }) - 1
+	return i >= 0 && p.spans[i].start <= s && e <= p.spans[i].end
+}

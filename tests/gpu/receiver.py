@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""A receiver that behaves like a vLLM worker, for rlflow's GPU tests.
+
+It takes the part of a vLLM worker in a weight transfer (spec
+docs/vllm-weight-transfer.md, sections 2, 3 and 6) using only the real
+PyTorch and NCCL pieces a vLLM worker uses:
+
+1. torch.distributed.TCPStore client (is_master=False, use_libuv=False,
+   timeout 300 s) against the trainer's store at --host:--port;
+2. pickle.loads of "broadcast_from/0/0" with a shim module at
+   vllm/distributed/device_communicators/pynccl_wrapper.py defining the
+   ctypes ncclUniqueId (created in a temporary directory on sys.path);
+3. NCCL through ctypes on libnccl.so.2: ncclCommInitRank, the one-element
+   float32 SUM all-reduce and a stream sync (the warm-up), then one
+   ncclBroadcast per tensor (non-packed) or per chunk (packed), following
+   the packing rule implemented here independently of the Go planner;
+4. a byte-for-byte comparison of every received tensor with the
+   safetensors checkpoint.
+
+The metadata (names, dtype_names, shapes, packed, packed_buffer_size_bytes,
+checkpoint) comes from a JSON file (--meta), as update_info would.
+
+Output: progress and diagnostics on stderr; on stdout one line per event,
+"READY {json}" once the communicator and its warm-up are done (what
+/init_weight_transfer_engine waits for), "PROGRESS {json}" (with --progress)
+and finally "RESULT {json}" whose
+"verdict" is PASS or FAIL. Exit status: 0 PASS, 1 FAIL (wrong bytes),
+2 error, 4 watchdog (--deadline passed).
+
+Raw mode (--raw-bytes N --repeat R) receives R broadcasts of N uint8 bytes
+into one buffer (the trainer fills it with i % 251) and checks the last one:
+the pure broadcast throughput figure.
+
+--self-test checks the packing rule and the pickle shim, --plan-only prints the
+wire sequence it would expect for --meta; neither needs torch or a GPU.
+"""
+
+import argparse
+import ctypes
+import datetime
+import glob
+import json
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+
+NCCL_DTYPES = {
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4,
+    "uint64": 5, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+}
+ITEMSIZE = {
+    "int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8,
+    "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2,
+}
+NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
+
+SHIM = '''"""Test shim: the ctypes ncclUniqueId at vLLM's dotted path."""
+import ctypes
+
+
+class ncclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+'''
+
+
+def log(*args):
+    print("receiver:", *args, file=sys.stderr, flush=True)
+
+
+def emit(kind, **fields):
+    print(kind, json.dumps(fields, sort_keys=True), flush=True)
+
+
+def install_shim():
+    """Create vllm/distributed/device_communicators/pynccl_wrapper.py in a
+    temporary directory, put it first on sys.path and import it."""
+    root = tempfile.mkdtemp(prefix="rlflow-vllm-shim-")
+    pkg = os.path.join(root, "vllm", "distributed", "device_communicators")
+    os.makedirs(pkg)
+    for d in (os.path.join(root, "vllm"), os.path.join(root, "vllm", "distributed"), pkg):
+        with open(os.path.join(d, "__init__.py"), "w") as f:
+            f.write("")
+    with open(os.path.join(pkg, "pynccl_wrapper.py"), "w") as f:
+        f.write(SHIM)
+    sys.path.insert(0, root)
+    from vllm.distributed.device_communicators import pynccl_wrapper  # noqa: E402
+    return pynccl_wrapper
+
+
+def numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def plan_chunks(sizes, packed, threshold):
+    """The wire sequence as lists of tensor indices (spec section 6).
+
+    Non-packed: one broadcast per tensor. Packed: append each tensor to the
+    current chunk and add its size to the running total S; after appending,
+    if S > T (strict) the chunk is closed, the crossing tensor inside it. The
+    remainder is the last chunk."""
+    if not packed:
+        return [[i] for i in range(len(sizes))]
+    chunks, cur, total = [], [], 0
+    for i, size in enumerate(sizes):
+        cur.append(i)
+        total += size
+        if total > threshold:
+            chunks.append(cur)
+            cur, total = [], 0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+class Nccl:
+    """The few NCCL entry points a vLLM worker calls, through ctypes."""
+
+    def __init__(self, path, uid_type):
+        self.lib = ctypes.CDLL(path)
+        L = self.lib
+        L.ncclGetErrorString.restype = ctypes.c_char_p
+        L.ncclGetErrorString.argtypes = [ctypes.c_int]
+        L.ncclGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        # The unique id is passed by value, as in vLLM's pynccl_wrapper.
+        L.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, uid_type, ctypes.c_int]
+        coll = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p]
+        L.ncclAllReduce.argtypes = coll
+        L.ncclBroadcast.argtypes = coll
+        L.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        L.ncclCommAbort.argtypes = [ctypes.c_void_p]
+
+    def check(self, r, what):
+        if r != 0:
+            raise RuntimeError("%s: %s (ncclResult %d)" % (what, self.lib.ncclGetErrorString(r).decode(), r))
+
+    def version(self):
+        v = ctypes.c_int()
+        self.check(self.lib.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
+        return v.value
+
+    def init_rank(self, world, uid, rank):
+        comm = ctypes.c_void_p()
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank), "ncclCommInitRank")
+        return comm
+
+    def all_reduce(self, ptr, count, dtype, comm, stream):
+        self.check(self.lib.ncclAllReduce(ptr, ptr, count, dtype, NCCL_SUM, comm, stream), "ncclAllReduce")
+
+    def broadcast(self, ptr, count, dtype, comm, stream):
+        self.check(self.lib.ncclBroadcast(ptr, ptr, count, dtype, 0, comm, stream), "ncclBroadcast")
+
+
+def self_test():
+    assert plan_chunks([4, 4, 4], False, 5) == [[0], [1], [2]]
+    # S > T is strict: exactly T does not close the chunk.
+    assert plan_chunks([5, 1, 10, 2, 2], True, 5) == [[0, 1], [2], [3, 4]]
+    assert plan_chunks([3, 3, 3], True, 6) == [[0, 1, 2]]
+    assert plan_chunks([7], True, 6) == [[0]]
+    assert plan_chunks([], True, 6) == []
+    mod = install_shim()
+    uid = mod.ncclUniqueId()
+    for i in range(128):
+        uid.internal[i] = (i * 7 + 1) % 256 - 128
+    raw = pickle.dumps(uid, protocol=4)
+    assert len(raw) == 247, len(raw)
+    back = pickle.loads(raw)
+    assert type(back).__module__ == "vllm.distributed.device_communicators.pynccl_wrapper"
+    assert bytes(back.internal) == bytes(uid.internal)
+    print("receiver self-test PASS")
+
+
+def open_expected(path, device):
+    """name -> (safe_open handle) over a file or a directory of shards."""
+    from safetensors import safe_open
+    files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise RuntimeError("no safetensors files at %s" % path)
+    handles, where = [], {}
+    for f in files:
+        h = safe_open(f, framework="pt", device=device)
+        handles.append(h)
+        for k in h.keys():
+            where[k] = h
+    return handles, where
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--meta", help="JSON: names, dtype_names, shapes, packed, packed_buffer_size_bytes, checkpoint")
+    ap.add_argument("--nccl-lib", default=os.environ.get("RECEIVER_NCCL_LIB", "libnccl.so.2"),
+                    help="NCCL to load (default libnccl.so.2: torch's own copy when torch already loaded one)")
+    ap.add_argument("--store-timeout", type=float, default=300.0)
+    ap.add_argument("--deadline", type=float, default=900.0, help="watchdog: exit 4 after this many seconds")
+    ap.add_argument("--progress", action="store_true", help="sync and print PROGRESS after every broadcast")
+    ap.add_argument("--exit-after", type=int, default=-1, help="die (os._exit) after this many broadcasts")
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--raw-bytes", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--self-test", action="store_true")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the wire sequence planned from --meta as PLAN {json} and exit (no torch, no GPU)")
+    args = ap.parse_args()
+
+    if args.self_test:
+        self_test()
+        return 0
+    if args.plan_only:
+        with open(args.meta) as f:
+            meta = json.load(f)
+        sizes = [numel(s) * ITEMSIZE[d] for s, d in zip(meta["shapes"], meta["dtype_names"])]
+        chunks = plan_chunks(sizes, bool(meta.get("packed", False)), int(meta.get("packed_buffer_size_bytes", 1 << 30)))
+        emit("PLAN", chunks=[[meta["names"][i] for i in c] for c in chunks],
+             bytes=[sum(sizes[i] for i in c) for c in chunks])
+        return 0
+
+    def watchdog():
+        log("watchdog: %.0fs deadline passed, exiting" % args.deadline)
+        emit("RESULT", verdict="FAIL", rank=args.rank, error="watchdog deadline passed")
+        os._exit(4)
+    wd = threading.Timer(args.deadline, watchdog)
+    wd.daemon = True
+    wd.start()
+
+    import torch
+    import torch.distributed as dist
+
+    shim = install_shim()
+    torch.cuda.set_device(args.device)
+    dev = torch.device("cuda", args.device)
+
+    t_start = time.perf_counter()
+    log("rank %d/%d: TCPStore client to %s:%d" % (args.rank, args.world_size, args.host, args.port))
+    store = dist.TCPStore(args.host, args.port, world_size=args.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=args.store_timeout), use_libuv=False)
+    raw = store.get("broadcast_from/0/0")
+    uid = pickle.loads(raw)
+    if not isinstance(uid, shim.ncclUniqueId):
+        raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
+    log("got the %d-byte pickled unique id" % len(raw))
+
+    nccl = Nccl(args.nccl_lib, shim.ncclUniqueId)
+    log("NCCL %d from %s" % (nccl.version(), args.nccl_lib))
+    comm = nccl.init_rank(args.world_size, uid, args.rank)
+    stream = torch.cuda.current_stream(dev)
+    sp = ctypes.c_void_p(stream.cuda_stream)
+    warm = torch.zeros(1, dtype=torch.float32, device=dev)
+    nccl.all_reduce(ctypes.c_void_p(warm.data_ptr()), 1, NCCL_FLOAT32, comm, sp)
+    stream.synchronize()
+    t_ready = time.perf_counter()
+    log("communicator ready after %.2fs (warm-up done)" % (t_ready - t_start))
+    emit("READY", rank=args.rank, nccl=nccl.version(), seconds=t_ready - t_start)
+
+    count = [0]
+
+    def after_broadcast(nbytes, what):
+        count[0] += 1
+        if args.progress:
+            stream.synchronize()
+            emit("PROGRESS", rank=args.rank, index=count[0] - 1, bytes=nbytes, what=what)
+        if args.exit_after >= 0 and count[0] >= args.exit_after:
+            log("exiting on purpose after %d broadcasts" % count[0])
+            os._exit(3)
+
+    if args.raw_bytes > 0:
+        buf = torch.empty(args.raw_bytes, dtype=torch.uint8, device=dev)
+        t0 = time.perf_counter()
+        for i in range(args.repeat):
+            nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), args.raw_bytes, NCCL_UINT8, comm, sp)
+            after_broadcast(args.raw_bytes, "raw %d" % i)
+        stream.synchronize()
+        secs = time.perf_counter() - t0
+        ok = True
+        if not args.no_verify:
+            want = (torch.arange(args.raw_bytes, device=dev, dtype=torch.int64) % 251).to(torch.uint8)
+            ok = bool(torch.equal(buf, want))
+        total = args.raw_bytes * args.repeat
+        emit("RESULT", verdict="PASS" if ok else "FAIL", rank=args.rank, mode="raw", bytes=total,
+             broadcasts=args.repeat, seconds=secs, gbps=total / secs / 1e9)
+        return 0 if ok else 1
+
+    with open(args.meta) as f:
+        meta = json.load(f)
+    names, dtypes, shapes = meta["names"], meta["dtype_names"], meta["shapes"]
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise RuntimeError("names, dtype_names and shapes differ in length")
+    packed = bool(meta.get("packed", False))
+    threshold = int(meta.get("packed_buffer_size_bytes", 1 << 30))
+    sizes = [numel(s) * ITEMSIZE[d] for s, d in zip(shapes, dtypes)]
+    chunks = plan_chunks(sizes, packed, threshold)
+    total = sum(sizes)
+    log("%d tensors, %d bytes, %s, %d broadcasts" % (len(names), total, "packed T=%d" % threshold if packed else "non-packed", len(chunks)))
+
+    torch_dtype = {n: getattr(torch, n) for n in NCCL_DTYPES}
+    received = {}  # name -> uint8 view of the received bytes
+    t0 = time.perf_counter()
+    for k, chunk in enumerate(chunks):
+        if packed:
+            nbytes = sum(sizes[i] for i in chunk)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), nbytes, NCCL_UINT8, comm, sp)
+            off = 0
+            for i in chunk:
+                received[names[i]] = buf[off:off + sizes[i]]
+                off += sizes[i]
+            after_broadcast(nbytes, "chunk %d (%d tensors)" % (k, len(chunk)))
+        else:
+            i = chunk[0]
+            t = torch.empty([int(d) for d in shapes[i]], dtype=torch_dtype[dtypes[i]], device=dev)
+            nccl.broadcast(ctypes.c_void_p(t.data_ptr()), t.numel(), NCCL_DTYPES[dtypes[i]], comm, sp)
+            received[names[i]] = t.reshape(-1).view(torch.uint8)
+            after_broadcast(sizes[i], names[i])
+    stream.synchronize()
+    secs = time.perf_counter() - t0
+    log("received %d bytes in %.3fs (%.2f GB/s)" % (total, secs, total / max(secs, 1e-9) / 1e9))
+
+    mismatches, converted = [], 0
+    if not args.no_verify:
+        _, where = open_expected(meta["checkpoint"], "cuda:%d" % args.device)
+        for name, dname, shape in zip(names, dtypes, shapes):
+            h = where.get(name)
+            if h is None:
+                mismatches.append({"name": name, "why": "not in the checkpoint"})
+                continue
+            want = h.get_tensor(name)
+            if list(want.shape) != [int(d) for d in shape]:
+                mismatches.append({"name": name, "why": "shape %s, file has %s" % (shape, list(want.shape))})
+                continue
+            if want.dtype != torch_dtype[dname]:
+                # The trainer converted during staging (e.g. F32 -> BF16):
+                # compare with torch's own round-to-nearest-even conversion.
+                want = want.to(torch_dtype[dname])
+                converted += 1
+            want = want.contiguous().reshape(-1).view(torch.uint8)
+            got = received[name]
+            if got.numel() != want.numel() or not torch.equal(got, want):
+                diff = (got != want).nonzero() if got.numel() == want.numel() else None
+                first = int(diff[0]) if diff is not None and diff.numel() else -1
+                mismatches.append({"name": name, "why": "bytes differ", "first_byte": first})
+            if len(mismatches) >= 20:
+                break
+    verdict = "PASS" if not mismatches else "FAIL"
+    emit("RESULT", verdict=verdict, rank=args.rank, mode="packed" if packed else "non-packed",
+         tensors=len(names), broadcasts=len(chunks), bytes=total, seconds=secs,
+         gbps=total / max(secs, 1e-9) / 1e9, converted=converted, verified=not args.no_verify,
+         mismatches=mismatches[:20], ready_seconds=t_ready - t_start)
+    log("verdict %s" % verdict)
+    nccl.lib.ncclCommDestroy(comm)
+    del store
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except Exception as e:  # report every failure as a verdict line
+        import traceback
+        traceback.print_exc()
+        emit("RESULT", verdict="FAIL", error="%s: %s" % (type(e).__name__, e))
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
