@@ -6,7 +6,7 @@ TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
 TEMPORAL_CLI := github.com/temporalio/cli/cmd/temporal@v1.5.1
 
-.PHONY: demo test build vet fuzz compose-check clean
+.PHONY: demo test build vet fuzz bench compose-check clean
 
 build: $(RLFLOW)
 
@@ -30,6 +30,10 @@ vet:
 # Two minutes per fuzz target (the acceptance run).
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzLoad -fuzztime 2m ./pipelines/
+
+# Orchestration overhead on the dev server, against in-process baselines.
+bench: $(TEMPORAL)
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run XXX -bench . -benchtime 1x -timeout 20m ./bench/
 
 compose-check:
 	docker-compose config -q
