@@ -125,6 +125,7 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 	args := []string{
 		"--dynamic-config-value", "matching.numTaskqueueReadPartitions=1",
 		"--dynamic-config-value", "matching.numTaskqueueWritePartitions=1",
+		"--dynamic-config-value", "system.enableActivityEagerExecution=true",
 	}
 	names := make([]string, 0, len(workflows.SearchAttributeTypes))
 	for n := range workflows.SearchAttributeTypes {

@@ -50,6 +50,10 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	}
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
+		// More pollers than the SDK's 2, so a wide fan-out of steps is
+		// dispatched at once instead of two at a time (see bench/).
+		MaxConcurrentActivityTaskPollers: 8,
+		MaxConcurrentWorkflowTaskPollers: 4,
 	})
 	RegisterWorkflows(w)
 	RegisterControlActivities(w, activities.New(opts.Deps))
