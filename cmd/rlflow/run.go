@@ -137,44 +137,22 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 }
 
 func newCancelCmd(g *globalFlags) *cobra.Command {
-	return &cobra.Command{
-		Use:   "cancel RUN_ID",
-		Short: "Cancel a run: running steps are cancelled, `always` steps still run",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
+	return idCommand(g, "cancel RUN_ID", "Cancel a run: running steps are cancelled, `always` steps still run",
+		func(ctx context.Context, c client.Client, id string) error {
+			if err := c.CancelWorkflow(ctx, id, ""); err != nil {
+				return fmt.Errorf("cancelling %s: %w", id, err)
 			}
-			defer c.Close()
-			if err := c.CancelWorkflow(ctx, args[0], ""); err != nil {
-				return &exitError{code: 1, err: fmt.Errorf("cancelling %s: %w", args[0], err)}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "cancellation requested for %s\n", args[0])
 			return nil
-		},
-	}
+		}, "cancellation requested for %s")
 }
 
 func newSignalCmd(g *globalFlags, name, short string) *cobra.Command {
 	signal := map[string]string{"pause": workflows.SignalPause, "resume": workflows.SignalResume}[name]
-	return &cobra.Command{
-		Use:   name + " RUN_ID",
-		Short: short,
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
+	return idCommand(g, name+" RUN_ID", short,
+		func(ctx context.Context, c client.Client, id string) error {
+			if err := c.SignalWorkflow(ctx, id, "", signal, nil); err != nil {
+				return fmt.Errorf("%s %s: %w", name, id, err)
 			}
-			defer c.Close()
-			if err := c.SignalWorkflow(ctx, args[0], "", signal, nil); err != nil {
-				return &exitError{code: 1, err: fmt.Errorf("%s %s: %w", name, args[0], err)}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s sent to %s\n", name, args[0])
 			return nil
-		},
-	}
+		}, name+" sent to %s")
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"text/tabwriter"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/rlflow/rlflow/launch"
 	"github.com/spf13/cobra"
+	"go.temporal.io/sdk/client"
 )
 
 func newScheduleCmd(g *globalFlags) *cobra.Command {
@@ -78,42 +80,12 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 			return tw.Flush()
 		},
 	}
-	del := &cobra.Command{
-		Use:   "delete SCHEDULE_ID",
-		Short: "Delete a schedule (runs it started go on)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if err := launch.DeleteSchedule(ctx, c, args[0]); err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s deleted\n", args[0])
-			return nil
-		},
-	}
-	trigger := &cobra.Command{
-		Use:   "trigger SCHEDULE_ID",
-		Short: "Start a run of the schedule now",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if err := launch.TriggerSchedule(ctx, c, args[0]); err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s triggered\n", args[0])
-			return nil
-		},
-	}
+	del := idCommand(g, "delete SCHEDULE_ID", "Delete a schedule (runs it started go on)",
+		func(ctx context.Context, c client.Client, id string) error { return launch.DeleteSchedule(ctx, c, id) },
+		"schedule %s deleted")
+	trigger := idCommand(g, "trigger SCHEDULE_ID", "Start a run of the schedule now",
+		func(ctx context.Context, c client.Client, id string) error { return launch.TriggerSchedule(ctx, c, id) },
+		"schedule %s triggered")
 	cmd.AddCommand(create, list, del, trigger)
 	return cmd
 }

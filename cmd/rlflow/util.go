@@ -1,12 +1,41 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"io"
+
+	"github.com/rlflow/rlflow/launch"
+	"github.com/spf13/cobra"
+	"go.temporal.io/sdk/client"
 )
 
 func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// idCommand builds a command that takes one id, calls act with a connected
+// client, and prints done on success; act's error exits with status 1.
+func idCommand(g *globalFlags, use, short string, act func(ctx context.Context, c client.Client, id string) error, done string) *cobra.Command {
+	return &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := launch.Connect(ctx, g.address, g.namespace)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := act(ctx, c, args[0]); err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), done+"\n", args[0])
+			return nil
+		},
+	}
 }
