@@ -1,0 +1,96 @@
+package pipelines
+
+// The RLHF step types: they talk to the pipeline's vLLM servers (servers:)
+// and move weights to them (weight_transfer:). Their activities live in
+// package activities; init_transfer and broadcast with the nccl backend run
+// on a GPU worker (see workflows for the routing).
+const (
+	StepGenerate     = "generate"
+	StepEvaluate     = "evaluate"
+	StepPause        = "pause"
+	StepResume       = "resume"
+	StepIsPaused     = "is_paused"
+	StepWorldSize    = "world_size"
+	StepInitTransfer = "init_transfer"
+	StepBroadcast    = "broadcast"
+)
+
+// GPUStepTypes are the step types that run where the NCCL communicator
+// lives when the pipeline's weight_transfer.backend is nccl.
+var GPUStepTypes = []string{StepInitTransfer, StepBroadcast}
+
+// samplingArgs are shared by generate and evaluate.
+var samplingArgs = []ArgSpec{
+	{Name: "prompts", Kind: KindString, Required: true, Doc: "JSONL file, one object per line: {\"id\", \"prompt\"} or {\"id\", \"messages\": [{role, content}]} (relative to base_dir)"},
+	{Name: "model", Kind: KindString, Doc: "served model name (default: the first model the server lists)"},
+	{Name: "n", Kind: KindInt, Doc: "samples per prompt (default 1)"},
+	{Name: "max_tokens", Kind: KindInt, Doc: "tokens per sample (default 256)"},
+	{Name: "temperature", Kind: KindFloat, Doc: "sampling temperature (default 1.0)"},
+	{Name: "top_p", Kind: KindFloat, Doc: "nucleus sampling (default: the server's)"},
+	{Name: "seed", Kind: KindInt, Doc: "sampling seed; sample k of prompt i uses seed+i*n+k"},
+	{Name: "stop", Kind: KindStringList, Doc: "stop strings"},
+	{Name: "logprobs", Kind: KindInt, Doc: "top log-probabilities per token to record (0 = none)"},
+	{Name: "concurrency", Kind: KindInt, Doc: "requests in flight at once, across all servers (default 64)"},
+	{Name: "request_timeout", Kind: KindDuration, Doc: "deadline of one request (default 10m)"},
+	{Name: "output", Kind: KindString, Doc: "output JSONL path (default: under the worker's data dir, per run/iteration/step)"},
+}
+
+func init() {
+	RegisterStepType(&StepType{
+		Name:    StepGenerate,
+		Doc:     "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically.",
+		Args:    samplingArgs,
+		Outputs: []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version"},
+	})
+	RegisterStepType(&StepType{
+		Name: StepEvaluate,
+		Doc:  "Generates from an eval set (prompts JSONL whose lines carry an \"answer\") and scores every sample with the scorer; writes a per-sample JSONL.",
+		Args: append(append([]ArgSpec(nil), samplingArgs...),
+			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "{type: exact_match|contains|regex|numeric|http|judge, ...}"},
+		),
+		Outputs: []string{"score", "samples", "path", "min", "max", "weight_version"},
+	})
+	RegisterStepType(&StepType{
+		Name:    StepPause,
+		Doc:     "Pauses generation on every server, in parallel. If some servers fail, the ones paused are resumed and the error names each failure.",
+		Args:    []ArgSpec{{Name: "mode", Kind: KindString, Enum: []string{"abort", "wait", "keep"}, Doc: "abort in-flight requests (vLLM's default), wait for them, or keep them queued"}},
+		Outputs: []string{"servers"},
+	})
+	RegisterStepType(&StepType{
+		Name:    StepResume,
+		Doc:     "Resumes generation on every server, in parallel (each is tried even if another fails). Mark it always: true after a pause so vLLM is never left paused.",
+		Outputs: []string{"servers"},
+	})
+	RegisterStepType(&StepType{
+		Name:    StepIsPaused,
+		Doc:     "Reports whether the servers are paused.",
+		Outputs: []string{"paused", "paused_servers"},
+	})
+	RegisterStepType(&StepType{
+		Name:    StepWorldSize,
+		Doc:     "Asks every server for its world size (DP included): the NCCL group is 1 + their sum, with cumulative rank offsets.",
+		Outputs: []string{"world_size"},
+	})
+	RegisterStepType(&StepType{
+		Name: StepInitTransfer,
+		Doc:  "Initialises the weight-transfer group with every server (nccl: TCPStore rendezvous, NCCL init and warm-up with rank offsets; disk: init_info {}). Runs on a GPU worker for nccl. broadcast initialises on its own when needed, so this step is optional.",
+		Args: []ArgSpec{
+			{Name: "master_address", Kind: KindString, Doc: "address the trainer's TCPStore binds and the servers connect to (nccl; default: the GPU worker's --advertise address)"},
+			{Name: "master_port", Kind: KindInt, Doc: "TCPStore port (nccl; default: a free port, fresh on every init)"},
+			{Name: "timeout", Kind: KindDuration, Doc: "deadline of the init (default 5m)"},
+		},
+		Outputs: []string{"world_size", "backend", "group"},
+	})
+	RegisterStepType(&StepType{
+		Name: StepBroadcast,
+		Doc:  "Sends a checkpoint (safetensors file or directory) to every server with the pipeline's weight_transfer backend: nccl broadcasts from a GPU worker (initialising the group on first use or after its loss); disk hands vLLM the absolute directory. Sets the weight version where the API has one.",
+		Args: []ArgSpec{
+			{Name: "checkpoint", Kind: KindString, Required: true, Doc: "safetensors file or directory (single file or sharded with model.safetensors.index.json), relative to base_dir"},
+			{Name: "version", Kind: KindString, Doc: "weight version label (default: \"<run id>/iter-<n>\")"},
+			{Name: "dtype", Kind: KindString, Enum: []string{"keep", "bfloat16", "float16"}, Doc: "nccl: convert floating tensors to the serving dtype on the way (default keep)"},
+			{Name: "update_timeout", Kind: KindDuration, Doc: "deadline of update_weights (default scales with the checkpoint size)"},
+			{Name: "verify", Kind: KindBool, Doc: "check the servers' weight version afterwards (C/D)"},
+		},
+		Outputs: []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "initialized"},
+	})
+}
