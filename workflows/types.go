@@ -142,3 +142,28 @@ type Progress struct {
 	Steps          []StepResult `json:"steps,omitempty"` // iteration workflows only
 	LastError      string       `json:"last_error,omitempty"`
 }
+
+// GPU routing. With weight_transfer.backend nccl, init_transfer and
+// broadcast must reach the one process that owns the NCCL communicator.
+// GPU workers poll the shared GPU task queue for AcquireGPUActivity, which
+// answers with the worker's own host-specific task queue; the interpreter
+// then sends the transfer steps there, and acquires again (on a live GPU
+// worker) when that queue stops answering.
+const (
+	AcquireGPUActivity  = "gpu_acquire"
+	DefaultGPUTaskQueue = "rlflow-gpu"
+)
+
+// GPUAcquireInput asks a GPU worker for its host-specific task queue.
+type GPUAcquireInput struct {
+	RunID string `json:"run_id"`
+}
+
+// GPUHost is a GPU worker's answer to AcquireGPUActivity.
+type GPUHost struct {
+	// TaskQueue is polled only by that worker process; it is unique per
+	// process start, so a restarted worker never inherits a dead one's queue.
+	TaskQueue string `json:"task_queue"`
+	Host      string `json:"host"`
+	Device    int    `json:"device"`
+}
