@@ -7,6 +7,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -92,18 +93,32 @@ func BenchmarkOverhead(b *testing.B) {
 	e.run(b, single) // warm the worker and server caches
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		tSingle, _ := e.run(b, single)
-		tChain, _ := e.run(b, chain)
-		tFan, _ := e.run(b, fan)
+		// Medians of repeated runs: on a 2-core box one run of a shape can
+		// be several times slower than the next, and the ratios would then
+		// measure the noise rather than the orchestration.
+		tSingle := e.median(b, single, 7)
+		tChain := e.median(b, chain, 3)
+		tFan := e.median(b, fan, 5)
 		tDirect := e.direct(b, n)
 		perStep := (tChain - tSingle) / (n - 1)
 		b.ReportMetric(float64(perStep.Microseconds())/1000, "ms/seq-step")
 		b.ReportMetric(float64(tDirect.Microseconds())/1000/n, "ms/direct-call")
 		b.ReportMetric(float64(tFan)/float64(tSingle), "fanout/single")
-		b.Logf("single-step run %s; 50-step chain %s (%.1f ms per extra step); 50-wide fan-out %s = %.2fx the single-step run; 50 direct in-process calls %s",
+		b.Logf("medians: single-step run %s; 50-step chain %s (%.1f ms per extra step); 50-wide fan-out %s = %.2fx the single-step run; 50 direct in-process calls %s",
 			tSingle.Round(time.Millisecond), tChain.Round(time.Millisecond), float64(perStep.Microseconds())/1000,
 			tFan.Round(time.Millisecond), float64(tFan)/float64(tSingle), tDirect)
 	}
+}
+
+// median runs p k times and returns the median wall time.
+func (e *env) median(b *testing.B, p *pipelines.Pipeline, k int) time.Duration {
+	b.Helper()
+	ts := make([]time.Duration, k)
+	for i := range ts {
+		ts[i], _ = e.run(b, p)
+	}
+	slices.Sort(ts)
+	return ts[k/2]
 }
 
 func BenchmarkThousandIterations(b *testing.B) {

@@ -126,6 +126,7 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		"--dynamic-config-value", "matching.numTaskqueueReadPartitions=1",
 		"--dynamic-config-value", "matching.numTaskqueueWritePartitions=1",
 		"--dynamic-config-value", "system.enableActivityEagerExecution=true",
+		"--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000",
 	}
 	names := make([]string, 0, len(workflows.SearchAttributeTypes))
 	for n := range workflows.SearchAttributeTypes {

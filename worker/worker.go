@@ -52,7 +52,7 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
 		// More pollers than the SDK's 2, so a wide fan-out of steps is
 		// dispatched at once instead of two at a time (see bench/).
-		MaxConcurrentActivityTaskPollers: 8,
+		MaxConcurrentActivityTaskPollers: 32,
 		MaxConcurrentWorkflowTaskPollers: 4,
 	})
 	RegisterWorkflows(w)
