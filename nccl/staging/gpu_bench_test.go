@@ -118,9 +118,13 @@ func stageConfigs() []stageConfig {
 		pk("register-s64M-r4", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 4, WindowBytes: 64 << 20}),
 		pk("register-s64M-r8-prefault", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, PrefaultWorkers: 1, WindowBytes: 64 << 20}),
 		pk("register-s16M-r8", Options{Mode: ModeRegister, RegisterSegmentBytes: 16 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20}),
-		// Both feeds at once: the last 30% / 50% of each chunk copied.
+		// Both feeds at once: the last 30% / 50% / 70% of each chunk copied
+		// while the rest goes direct. Best where neither feed alone keeps
+		// up with PCIe: fraction ~ copy rate / (copy rate + register rate).
 		pk("register-s64M-r8-copy30", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.3}),
 		pk("register-s64M-r8-copy50", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.5}),
+		pk("register-s64M-r8-copy70", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.7}),
+		pk("register-s64M-r4-copy50", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 4, WindowBytes: 64 << 20, CopyFraction: 0.5}),
 		pk("copy-w32M-3buf", Options{Mode: ModeCopy, Buffers: 3, WindowBytes: 32 << 20}),
 		pk("copy-w64M-2buf-wc", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined}),
 		pk("copy-w64M-2buf-prefault4", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, PrefaultWorkers: 4}),
