@@ -134,6 +134,8 @@ func stageConfigs() []stageConfig {
 		pk("register-s256M-r4", Options{Mode: ModeRegister, RegisterSegmentBytes: 256 << 20, RegisterWorkers: 4, WindowBytes: 256 << 20}),
 		pk("register-s64M-r16-prefault", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 16, PrefaultWorkers: 1, WindowBytes: 64 << 20}),
 		pk("copy-w16M-4buf", Options{Mode: ModeCopy, Buffers: 4, WindowBytes: 16 << 20}),
+		// 1 MiB copy jobs (L2-sized) instead of 4 MiB.
+		pk("copy-w64M-2buf-parts1M", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, SplitBytes: 1 << 20}),
 		pk("copy-w64M-2buf-8workers", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, CopyWorkers: 8}),
 		pk("copy-w128M-2buf", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20}),
 		// Other layouts with the default options, for reference.
