@@ -288,7 +288,7 @@ func benchStage(t *testing.T, lib nccl.API, path string) {
 
 	probeRegister(t, dev, path)
 
-	budget := time.Duration(envInt("RLFLOW_STAGE_BUDGET_S", 200)) * time.Second
+	budget := time.Duration(envInt("RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
 	sweepStart := time.Now()
 	// One pinned buffer to copy device buffers back into, as large as the
 	// largest chunk of any layout of the sweep.
