@@ -45,6 +45,7 @@ type Fake struct {
 	groups  map[UniqueID]*fakeGroup
 	calls   []*Call // pointers: executing collectives fill in Data later
 	hook    func(Call) Fault
+	regHook func(b []byte, flags uint) error
 	idSeq   uint64
 }
 
@@ -138,6 +139,16 @@ func (f *Fake) OnCollective(hook func(Call) Fault) {
 	f.mu.Unlock()
 }
 
+// OnHostRegister installs a hook consulted by every HostRegister before it
+// registers anything: a non-nil error is returned as the call's failure
+// (like cudaHostRegister refusing a read-only file mapping), so tests can
+// exercise the fallbacks. nil removes the hook.
+func (f *Fake) OnHostRegister(hook func(b []byte, flags uint) error) {
+	f.mu.Lock()
+	f.regHook = hook
+	f.mu.Unlock()
+}
+
 // Calls returns a copy of every recorded NCCL call, in call order.
 func (f *Fake) Calls() []Call {
 	f.mu.Lock()
@@ -193,6 +204,9 @@ func (f *Fake) Leaks() string {
 	}
 	if n := len(f.hostMem); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d pinned host allocations", n))
+	}
+	if n := f.pinned.registered(); n > 0 {
+		parts = append(parts, fmt.Sprintf("%d host registrations", n))
 	}
 	if n := len(f.streams); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d streams", n))
@@ -348,7 +362,17 @@ func (f *Fake) HostRegister(b []byte, flags uint) error {
 	if len(b) == 0 {
 		return nil
 	}
-	if f.pinned.contains(b) {
+	f.mu.Lock()
+	hook := f.regHook
+	f.mu.Unlock()
+	if hook != nil {
+		if err := hook(b, flags); err != nil {
+			return err
+		}
+	}
+	// Like CUDA, any overlap with pinned memory is refused, so that callers
+	// that register a mapping piecewise must keep the pieces disjoint.
+	if f.pinned.overlaps(b) {
 		return &Error{Func: "cudaHostRegister", Code: CudaErrorHostMemAlreadyReg}
 	}
 	f.pinned.add(b, false)
@@ -380,6 +404,11 @@ func (f *Fake) MemcpyHtoDAsync(dst DevPtr, src []byte, s Stream) error {
 	}
 	// Like the GPU, read the host bytes when the copy executes, not now.
 	return f.enqueue(s, "cudaMemcpyAsync HtoD", func() error {
+		// Memory unregistered (or freed) before its copy ran is a bug the
+		// GPU would not report: the fake does.
+		if !f.pinned.contains(src) {
+			return &Error{Func: "fake", Code: CudaErrorIllegalAddress, Detail: "host memory of a pending HtoD copy was unregistered or freed before the copy ran"}
+		}
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		d, _, err := f.devSlice(dst, len(src))

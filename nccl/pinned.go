@@ -46,6 +46,33 @@ func (p *pinnedSet) remove(b []byte, alloc bool) bool {
 	return true
 }
 
+// overlaps reports whether any byte of b is already pinned: CUDA refuses to
+// register a range that shares a page with an earlier registration.
+func (p *pinnedSet) overlaps(b []byte) bool {
+	s, e := spanOf(b)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, sp := range p.spans {
+		if sp.start < e && s < sp.end {
+			return true
+		}
+	}
+	return false
+}
+
+// registered counts the HostRegister spans.
+func (p *pinnedSet) registered() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, sp := range p.spans {
+		if !sp.alloc {
+			n++
+		}
+	}
+	return n
+}
+
 func (p *pinnedSet) contains(b []byte) bool {
 	s, e := spanOf(b)
 	p.mu.Lock()

@@ -274,6 +274,23 @@ func (c *Checkpoint) Bytes(t TensorInfo) ([]byte, error) {
 	return f.Bytes(t.Name)
 }
 
+// Mapping returns the whole read-only mapping of the file holding t (its
+// start is page aligned: it comes from mmap) and the offset of t's first
+// byte in it, so that a caller can page-lock the file in place
+// (cudaHostRegister) instead of copying it. Valid until Close, like Bytes.
+func (c *Checkpoint) Mapping(t TensorInfo) ([]byte, int64, error) {
+	if _, err := c.Bytes(t); err != nil { // validates t against this checkpoint
+		return nil, 0, err
+	}
+	f := c.byPath[t.File]
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.data == nil {
+		return nil, 0, fmt.Errorf("safetensors: %s: file is closed", f.path)
+	}
+	return f.data, t.Offset, nil
+}
+
 // TotalBytes is the sum of all tensor sizes.
 func (c *Checkpoint) TotalBytes() int64 { return c.total }
 

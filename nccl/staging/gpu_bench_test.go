@@ -1,11 +1,14 @@
 package staging
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"os"
+	"sort"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -89,12 +92,188 @@ func pinnedCeiling(t *testing.T, dev *nccl.Device, size, reps int) float64 {
 	return rate
 }
 
+// stageConfig is one candidate of the staging sweep.
+type stageConfig struct {
+	name      string
+	packed    bool
+	threshold int64
+	opts      Options
+	// candidate: eligible for BEST (the packed 1 GiB layout, vLLM's default
+	// packed_buffer_size_bytes, which the acceptance figure is about).
+	candidate bool
+}
+
+// stageConfigs are the sweep's candidates, most informative first (the
+// sweep stops early when its time budget runs out).
+func stageConfigs() []stageConfig {
+	const G = 1 << 30
+	pk := func(name string, o Options) stageConfig { return stageConfig{name, true, G, o, true} }
+	return []stageConfig{
+		// The previous default: one H2D copy per 1 GiB chunk (fill and
+		// drain of a whole chunk).
+		pk("copy-chunk-2buf", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: -1}),
+		// Windowed H2D: the copy engine follows the host copy 64 MiB behind.
+		pk("copy-w64M-2buf", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20}),
+		// The checkpoint registered in place: no host copy.
+		pk("register-s64M-r4", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 4, WindowBytes: 64 << 20}),
+		pk("register-s64M-r8-prefault", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, PrefaultWorkers: 1, WindowBytes: 64 << 20}),
+		pk("register-s16M-r8", Options{Mode: ModeRegister, RegisterSegmentBytes: 16 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20}),
+		// Both feeds at once: the last 30% / 50% / 70% of each chunk copied
+		// while the rest goes direct. Best where neither feed alone keeps
+		// up with PCIe: fraction ~ copy rate / (copy rate + register rate).
+		pk("register-s64M-r8-copy30", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.3}),
+		pk("register-s64M-r8-copy50", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.5}),
+		pk("register-s64M-r8-copy70", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20, CopyFraction: 0.7}),
+		pk("register-s64M-r4-copy50", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 4, WindowBytes: 64 << 20, CopyFraction: 0.5}),
+		pk("copy-w32M-3buf", Options{Mode: ModeCopy, Buffers: 3, WindowBytes: 32 << 20}),
+		pk("copy-w64M-2buf-wc", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined}),
+		pk("copy-w64M-2buf-prefault4", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, PrefaultWorkers: 4}),
+		pk("register-s64M-r4-unreg-at-end", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 4, WindowBytes: 64 << 20, Unregister: UnregisterAtEnd}),
+		pk("register-s64M-r1", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 1, WindowBytes: 64 << 20}),
+		pk("register-s64M-r8", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 8, WindowBytes: 64 << 20}),
+		pk("register-s256M-r4", Options{Mode: ModeRegister, RegisterSegmentBytes: 256 << 20, RegisterWorkers: 4, WindowBytes: 256 << 20}),
+		pk("register-s64M-r16-prefault", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 << 20, RegisterWorkers: 16, PrefaultWorkers: 1, WindowBytes: 64 << 20}),
+		pk("copy-w16M-4buf", Options{Mode: ModeCopy, Buffers: 4, WindowBytes: 16 << 20}),
+		// 1 MiB copy jobs (L2-sized) instead of 4 MiB.
+		pk("copy-w64M-2buf-parts1M", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, SplitBytes: 1 << 20}),
+		pk("copy-w64M-2buf-8workers", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, CopyWorkers: 8}),
+		pk("copy-w128M-2buf", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20}),
+		// Other layouts with the default options, for reference.
+		{"default-packed-256MiB", true, 256 << 20, Options{}, false},
+		{"default-nonpacked", false, 0, Options{}, false},
+	}
+}
+
+// verifyDevice copies each device buffer back and compares it with the
+// chunk Stage left in it (the last len(devb) chunks): the strategies are
+// byte-exact on the real GPU, not only through the Fake.
+func verifyDevice(dev *nccl.Device, p *Pipeline, ck *safetensors.Checkpoint, chunks []Chunk, scratch []byte) error {
+	n := len(p.devb)
+	for k := max(len(chunks)-n, 0); k < len(chunks); k++ {
+		c := chunks[k]
+		got := scratch[:c.Bytes]
+		err := dev.Do(context.Background(), func(api nccl.API) error {
+			if err := api.MemcpyDtoHAsync(got, p.devb[k%n], p.copyS); err != nil {
+				return err
+			}
+			return api.StreamSynchronize(p.copyS)
+		})
+		if err != nil {
+			return fmt.Errorf("chunk %d: copy back: %w", k+1, err)
+		}
+		for _, pc := range c.Pieces {
+			want, err := ck.Bytes(pc.Src)
+			if err != nil {
+				return err
+			}
+			if pc.Src.DType != pc.Wire {
+				continue // the bench checkpoint converts nothing
+			}
+			if !bytes.Equal(got[pc.Offset:pc.Offset+pc.Bytes], want) {
+				return fmt.Errorf("chunk %d of %d: tensor %q differs on the device", k+1, len(chunks), pc.Src.Name)
+			}
+		}
+	}
+	return nil
+}
+
+// probeRegister measures cudaHostRegister on the checkpoint's mapping by
+// itself: which flags the platform accepts for a read-only file mapping,
+// and how fast one thread pins 1 GiB of it, fresh (page tables empty) and
+// again once faulted in. It explains the ModeRegister figures (and their
+// fallback, if any).
+func probeRegister(t *testing.T, dev *nccl.Device, path string) {
+	ck, err := safetensors.OpenCheckpoint(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	m, _, err := ck.Mapping(ck.Tensors()[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := func(b []byte, flags uint) (time.Duration, time.Duration, error) {
+		var r, u time.Duration
+		err := dev.Do(context.Background(), func(api nccl.API) error {
+			t0 := time.Now()
+			if err := api.HostRegister(b, flags); err != nil {
+				return err
+			}
+			r = time.Since(t0)
+			t1 := time.Now()
+			err := api.HostUnregister(b)
+			u = time.Since(t1)
+			return err
+		})
+		return r, u, err
+	}
+	seg := m[:min(len(m), 64<<20)&^(os.Getpagesize()-1)]
+	for _, f := range []struct {
+		name  string
+		flags uint
+	}{
+		{"ReadOnly|Portable", nccl.HostRegisterReadOnly | nccl.HostRegisterPortable},
+		{"ReadOnly", nccl.HostRegisterReadOnly},
+		{"Portable", nccl.HostRegisterPortable},
+		{"Default", nccl.HostRegisterDefault},
+	} {
+		r, u, err := reg(seg, f.flags)
+		fmt.Printf("GPU-FIGURE stage probe cudaHostRegister(%d MiB of the read-only mapping, %s): register %.2f ms, unregister %.2f ms, error: %v\n",
+			len(seg)>>20, f.name, 1e3*r.Seconds(), 1e3*u.Seconds(), err)
+	}
+	// A second mapping: the flag probes above faulted the first 64 MiB of
+	// the first one in.
+	ck2, err := safetensors.OpenCheckpoint(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck2.Close()
+	m2, _, err := ck2.Mapping(ck2.Tensors()[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := m2[:min(len(m2), 1<<30)&^(os.Getpagesize()-1)]
+	for _, pass := range []string{"fresh mapping", "faulted in"} {
+		if pass == "faulted in" {
+			populate(big)
+		}
+		r, u, err := reg(big, RegisterFlags)
+		fmt.Printf("GPU-FIGURE stage probe cudaHostRegister(%d MiB, one call, %s): %.1f ms (%.2f GB/s), unregister %.1f ms (%.2f GB/s), error: %v\n",
+			len(big)>>20, pass, 1e3*r.Seconds(), gbps(int64(len(big)), r), 1e3*u.Seconds(), gbps(int64(len(big)), u), err)
+		figure(t, "stage.probe.register_1GiB_"+strings.ReplaceAll(pass, " ", "_")+"_GBps", gbps(int64(len(big)), r))
+	}
+	t0 := time.Now()
+	populate(big)
+	fmt.Printf("GPU-FIGURE stage probe madvise(MADV_POPULATE_READ, %d MiB, already faulted): %.1f ms\n", len(big)>>20, 1e3*time.Since(t0).Seconds())
+}
+
+func median(xs []float64) float64 {
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	if len(s) == 0 {
+		return 0
+	}
+	return s[len(s)/2]
+}
+
 // TestGPUBenchStage (benchmark a): checkpoint in the page cache -> device
-// through the pipeline, against the pinned H2D ceiling of the same run.
+// through the pipeline, against the pinned H2D ceiling of the same run, for
+// every staging candidate (stageConfigs). Each candidate runs three times on
+// a fresh mapping (the checkpoint arrives new every update: page faults,
+// registration and unregistration included) and once more on the mapping
+// already faulted in; its figure is the median of the fresh runs. The last
+// chunks are compared byte for byte on the device. The best packed-1GiB
+// candidate is the reported figure.
 func TestGPUBenchStage(t *testing.T) {
 	lib := gpuLib(t)
 	path := genCheckpoint(t, "big", bigSpec(envInt("RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
+	benchStage(t, lib, path)
+}
+
+// benchStage is TestGPUBenchStage's sweep on any API (the GPU; the Fake for
+// a dry run of the sweep itself).
+func benchStage(t *testing.T, lib nccl.API, path string) {
 	dev, err := nccl.OpenDevice(lib, gpuDevice())
 	if err != nil {
 		t.Fatal(err)
@@ -102,47 +281,175 @@ func TestGPUBenchStage(t *testing.T) {
 	defer dev.Close()
 	ceiling := pinnedCeiling(t, dev, 1<<30, 10)
 	figure(t, "stage.pinned_h2d_ceiling_GBps", ceiling)
+	// Windows are 16-256 MiB copies: their own ceiling, for reference.
+	ceiling64 := pinnedCeiling(t, dev, 64<<20, 40)
+	figure(t, "stage.pinned_h2d_ceiling_64MiB_GBps", ceiling64)
+	fmt.Printf("GPU-FIGURE stage pinned ceiling: 1 GiB copies %.2f GB/s, 64 MiB copies %.2f GB/s\n", ceiling, ceiling64)
 
-	configs := []struct {
-		name      string
-		packed    bool
-		threshold int64
-		opts      Options
-	}{
-		{"packed-256MiB-2buf", true, 256 << 20, Options{Buffers: 2}},
-		{"packed-256MiB-3buf", true, 256 << 20, Options{Buffers: 3}},
-		{"packed-1GiB-2buf", true, 1 << 30, Options{Buffers: 2}},
-		{"nonpacked-2buf", false, 0, Options{Buffers: 2}},
-		{"packed-256MiB-2buf-1worker", true, 256 << 20, Options{Buffers: 2, CopyWorkers: 1}},
+	probeRegister(t, dev, path)
+
+	budget := time.Duration(envInt("RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
+	sweepStart := time.Now()
+	// One pinned buffer to copy device buffers back into, as large as the
+	// largest chunk of any layout of the sweep.
+	var largest int64
+	ck0, err := safetensors.OpenCheckpoint(path)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, c := range configs {
-		ck, err := safetensors.OpenCheckpoint(path) // a fresh mapping: page faults included
-		if err != nil {
-			t.Fatal(err)
+	for _, c := range stageConfigs() {
+		largest = max(largest, MaxChunk(gpuLayout(t, ck0, c.packed, c.threshold, false).Chunks))
+	}
+	ck0.Close()
+	var scratch []byte
+	if err := dev.Do(context.Background(), func(api nccl.API) error {
+		var err error
+		scratch, err = api.HostAlloc(int(largest), nccl.HostAllocPortable)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Do(context.Background(), func(api nccl.API) error { return api.FreeHost(scratch) })
+
+	type outcome struct {
+		c    stageConfig
+		gbps float64
+		opts Options
+	}
+	var best *outcome
+	fig := func(c stageConfig, pass string, res Result) float64 {
+		gb := res.Throughput() / 1e9
+		key := fmt.Sprintf("stage.%s.%s", c.name, pass)
+		figure(t, key+".GBps", gb)
+		figure(t, key+".ratio_to_ceiling", gb/ceiling)
+		figure(t, key+".host_copy_GBps", gbps(res.Copied, res.HostCopy))
+		figure(t, key+".h2d_GBps", gbps(res.Bytes, res.H2D))
+		figure(t, key+".overlap", res.Overlap())
+		if res.Mode == ModeRegister {
+			figure(t, key+".register_s", res.Register.Seconds())
+			figure(t, key+".unregister_s", res.Unregister.Seconds())
+			figure(t, key+".unregister_tail_s", res.UnregisterTail.Seconds())
+			figure(t, key+".direct_bytes", res.Direct)
 		}
+		extra := ""
+		if res.Mode == ModeRegister {
+			extra = fmt.Sprintf("; register %.1f ms summed over %d threads (%.2f GB/s per thread), unregister %.1f ms summed (%d of %d segments early, tail %.1f ms in wall), direct %.0f%%",
+				1e3*res.Register.Seconds(), res.RegisterWorkers, gbps(res.Registered, res.Register), 1e3*res.Unregister.Seconds(),
+				res.EarlyUnregistered, res.Segments, 1e3*res.UnregisterTail.Seconds(), 100*float64(res.Direct)/float64(max(res.Bytes, 1)))
+		}
+		if res.Prefault > 0 {
+			extra += fmt.Sprintf("; prefault %.0f ms summed", 1e3*res.Prefault.Seconds())
+		}
+		if res.Fallback != "" {
+			extra += "; FALLBACK to the host copy: " + res.Fallback
+		}
+		fmt.Printf("GPU-FIGURE stage %-28s %-8s %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s; wall %.0f ms; host copy %.2f GB/s; H2D %.2f GB/s (GPU busy %.0f%% of wall); overlap %.2f; %d windows%s\n",
+			c.name, pass, gb, 100*gb/ceiling, ceiling, 1e3*res.Wall.Seconds(), gbps(res.Copied, res.HostCopy), gbps(res.Bytes, res.H2D),
+			100*res.H2D.Seconds()/max(res.Wall.Seconds(), 1e-9), res.Overlap(), res.Windows, extra)
+		return gb
+	}
+	// runConfig measures one candidate. A candidate that fails (a CUDA
+	// error, a hang cut off by the per-run deadline, a wrong byte) is
+	// reported and the sweep goes on: one run of the binary must yield the
+	// figures of every other candidate.
+	var fellBack bool // set by runConfig when a ModeRegister run fell back
+	runConfig := func(c stageConfig) (med float64, opts Options, err error) {
+		fellBack = false
+		ck, err := safetensors.OpenCheckpoint(path)
+		if err != nil {
+			return 0, opts, err
+		}
+		defer func() { ck.Close() }()
 		chunks := gpuLayout(t, ck, c.packed, c.threshold, false).Chunks
 		p, err := New(context.Background(), dev, MaxChunk(chunks), c.opts)
 		if err != nil {
-			t.Fatal(err)
+			return 0, opts, fmt.Errorf("new pipeline: %w", err)
 		}
-		for _, pass := range []string{"fresh-mmap", "mapped"} {
-			res, err := p.Stage(context.Background(), ck, chunks)
-			if err != nil {
-				t.Fatal(err)
+		defer func() {
+			if cerr := p.Close(context.Background()); cerr != nil && err == nil {
+				err = fmt.Errorf("close pipeline: %w", cerr)
 			}
-			gb := res.Throughput() / 1e9
+		}()
+		stage := func(pass string) (float64, error) {
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			res, err := p.Stage(ctx, ck, chunks)
+			if err != nil {
+				return 0, fmt.Errorf("%s: %w", pass, err)
+			}
 			t.Logf("%s %s: %v", c.name, pass, res)
-			figure(t, fmt.Sprintf("stage.%s.%s.GBps", c.name, pass), gb)
-			figure(t, fmt.Sprintf("stage.%s.%s.host_copy_GBps", c.name, pass), gbps(res.Bytes, res.HostCopy))
-			figure(t, fmt.Sprintf("stage.%s.%s.ratio_to_ceiling", c.name, pass), gb/ceiling)
-			fmt.Printf("GPU-FIGURE stage %-28s %-10s %6.2f GB/s = %4.0f%% of the pinned ceiling (%.2f GB/s); host copy %.2f GB/s\n",
-				c.name, pass, gb, 100*gb/ceiling, ceiling, gbps(res.Bytes, res.HostCopy))
+			if res.Fallback != "" {
+				fellBack = true
+			}
+			return fig(c, pass, res), nil
 		}
-		if err := p.Close(context.Background()); err != nil {
-			t.Fatal(err)
+		var fresh []float64
+		for i := 0; i < 3; i++ {
+			if i > 0 { // a fresh mapping: page faults (and registration) included
+				ck.Close()
+				if ck, err = safetensors.OpenCheckpoint(path); err != nil {
+					return 0, opts, err
+				}
+			}
+			gb, err := stage(fmt.Sprintf("fresh-%d", i+1))
+			if err != nil {
+				return 0, opts, err
+			}
+			fresh = append(fresh, gb)
 		}
-		ck.Close()
+		if _, err := stage("mapped"); err != nil {
+			return 0, opts, err
+		}
+		verr := verifyDevice(dev, p, ck, chunks, scratch)
+		verdict(t, verr == nil, "%s: the last %d chunks are byte-exact on the device (%v)", c.name, min(len(chunks), p.opts.Buffers), verr)
+		if verr != nil {
+			return 0, opts, verr
+		}
+		return median(fresh), p.Options(), nil
 	}
+	for _, c := range stageConfigs() {
+		if el := time.Since(sweepStart); el > budget {
+			fmt.Printf("GPU-FIGURE stage %-28s skipped: the sweep's %v budget is spent (RLFLOW_STAGE_BUDGET_S)\n", c.name, budget)
+			continue
+		}
+		m, opts, err := runConfig(c)
+		if err != nil {
+			verdict(t, false, "%s: %v", c.name, err)
+			continue
+		}
+		figure(t, fmt.Sprintf("stage.%s.median_fresh_GBps", c.name), m)
+		fmt.Printf("GPU-FIGURE stage %-28s MEDIAN   %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s (fresh mapping, 3 runs)\n", c.name, m, 100*m/ceiling, ceiling)
+		if fellBack {
+			// It measured the copy path under a register name: not a
+			// candidate for the default.
+			fmt.Printf("GPU-FIGURE stage %-28s not eligible for BEST: registration fell back to the host copy\n", c.name)
+			continue
+		}
+		if c.candidate && (best == nil || m > best.gbps) {
+			best = &outcome{c: c, gbps: m, opts: opts}
+		}
+	}
+	if best == nil {
+		t.Fatal("no staging candidate completed")
+	}
+	pct := 100 * best.gbps / ceiling
+	met := "met"
+	if pct < 85 {
+		met = "NOT met"
+	}
+	figure(t, "stage.best.config", best.c.name)
+	figure(t, "stage.best.GBps", best.gbps)
+	figure(t, "stage.best.ratio_to_ceiling", best.gbps/ceiling)
+	fmt.Printf("GPU-FIGURE stage BEST %s %.2f GB/s = %.0f%% of pinned ceiling %.2f GB/s (target 85%%: %s); as DefaultOptions: %s; DefaultOptions now: %s\n",
+		best.c.name, best.gbps, pct, ceiling, met, optionsLiteral(best.opts), optionsLiteral(Options{}.withDefaults()))
+}
+
+// optionsLiteral writes o as the fields of a DefaultOptions literal.
+func optionsLiteral(o Options) string {
+	return fmt.Sprintf("Mode: %s, Buffers: %d, CopyWorkers: %d, WindowBytes: %d, HostAllocFlags: %d, RegisterSegmentBytes: %d, RegisterWorkers: %d, PrefaultWorkers: %d, Unregister: %s, CopyFraction: %g",
+		map[Mode]string{ModeCopy: "ModeCopy", ModeRegister: "ModeRegister"}[o.Mode], o.Buffers, o.CopyWorkers, o.WindowBytes, o.HostAllocFlags,
+		o.RegisterSegmentBytes, o.RegisterWorkers, o.PrefaultWorkers,
+		map[UnregisterPolicy]string{UnregisterAtEnd: "UnregisterAtEnd", UnregisterEarly: "UnregisterEarly"}[o.Unregister], o.CopyFraction)
 }
 
 // TestGPUBenchE2E (benchmark b): end-to-end broadcast of the checkpoint,

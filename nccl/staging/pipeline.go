@@ -4,14 +4,88 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"time"
 
 	"github.com/rlflow/rlflow/nccl"
 )
 
-// Options tune a Pipeline. Zero values take the defaults.
+// Mode says how checkpoint bytes reach the device buffers.
+type Mode int
+
+const (
+	// ModeCopy copies (and converts) the mapped checkpoint into pinned
+	// staging buffers with parallel goroutines, then copies those to the
+	// device: two passes over host memory, but no page-locking of the file.
+	ModeCopy Mode = iota + 1
+	// ModeRegister page-locks the checkpoint's read-only mapping in place
+	// (cudaHostRegister with ReadOnly|Portable, segment by segment, by
+	// RegisterWorkers threads running ahead of the copies) and copies to the
+	// device straight from it: no host copy. Registration and the final
+	// unregistration are part of the run and of its wall time. Chunks that
+	// convert dtypes, sources that are not mapped files, and everything
+	// after a failed registration take the ModeCopy path (Result.Fallback
+	// says why).
+	ModeRegister
+)
+
+func (m Mode) String() string {
+	switch m {
+	case ModeCopy:
+		return "copy"
+	case ModeRegister:
+		return "register"
+	}
+	return fmt.Sprintf("Mode(%d)", int(m))
+}
+
+// UnregisterPolicy says when ModeRegister unpins the checkpoint.
+type UnregisterPolicy int
+
+const (
+	// UnregisterAtEnd unregisters every segment after the last copy, in
+	// parallel on the registration threads: all of it is a tail of the run.
+	UnregisterAtEnd UnregisterPolicy = iota + 1
+	// UnregisterEarly unregisters each segment on a thread of its own as
+	// soon as the copies reading it completed, beside the later copies;
+	// only the last segments are left for the end.
+	UnregisterEarly
+)
+
+func (u UnregisterPolicy) String() string {
+	switch u {
+	case UnregisterAtEnd:
+		return "at-end"
+	case UnregisterEarly:
+		return "early"
+	}
+	return fmt.Sprintf("UnregisterPolicy(%d)", int(u))
+}
+
+// DefaultOptions supplies every zero field of Options. It is the one place
+// to change the staging strategy: TestGPUBenchStage sweeps the candidates on
+// the GPU host and prints the best one (GPU-FIGURE stage BEST ...).
+var DefaultOptions = Options{
+	Mode:    ModeCopy,
+	Buffers: 2,
+	// CopyWorkers 0: GOMAXPROCS, at most 16 (see withDefaults).
+	SplitBytes:           8 << 20,
+	WindowBytes:          64 << 20,
+	HostAllocFlags:       nccl.HostAllocPortable,
+	RegisterSegmentBytes: 64 << 20,
+	RegisterWorkers:      4,
+	PrefaultWorkers:      0, // none
+	CopyFraction:         0, // all direct
+	Unregister:           UnregisterEarly,
+	DeviceMargin:         256 << 20,
+	CleanupTimeout:       30 * time.Second,
+}
+
+// Options tune a Pipeline. Zero values take DefaultOptions' values.
 type Options struct {
+	// Mode is the staging strategy (default ModeCopy, see DefaultOptions).
+	Mode Mode
 	// Buffers is the number of pinned host and device buffers N (default
 	// 2: chunk k is broadcast while chunk k+1 is copied; 3 also overlaps
 	// the host copy of k+2 with the host-to-device copy of k+1).
@@ -19,11 +93,40 @@ type Options struct {
 	// CopyWorkers is the number of goroutines per host copy (default
 	// GOMAXPROCS, at most 16).
 	CopyWorkers int
-	// SplitBytes: a tensor larger than this is copied by several workers
+	// SplitBytes bounds one host-copy job: tensors are cut at element
+	// boundaries into parts of at most min(SplitBytes, WindowBytes /
+	// CopyWorkers) bytes, so that every window keeps every worker busy
 	// (default 8 MiB).
 	SplitBytes int64
-	// HostAllocFlags for cudaHostAlloc (default nccl.HostAllocPortable).
+	// WindowBytes is the granularity of the host-to-device copies inside a
+	// chunk (default 64 MiB): a window is copied to the device as soon as
+	// its bytes are staged (or registered), so the copy engine starts long
+	// before a large chunk is complete and the pipeline does not pay a
+	// whole chunk of fill and drain. Negative: one copy per chunk.
+	WindowBytes int64
+	// HostAllocFlags for cudaHostAlloc (default nccl.HostAllocPortable;
+	// adding nccl.HostAllocWriteCombined is a candidate of the sweep).
 	HostAllocFlags uint
+	// RegisterSegmentBytes (ModeRegister) is the unit of cudaHostRegister,
+	// rounded up to the page size (default 64 MiB).
+	RegisterSegmentBytes int64
+	// RegisterWorkers (ModeRegister) is the number of threads registering
+	// segments ahead of the copies (default 4).
+	RegisterWorkers int
+	// PrefaultWorkers > 0 populates the mapping's page tables ahead of use
+	// with madvise(MADV_POPULATE_READ): in ModeCopy that many goroutines run
+	// ahead of the copy workers, in ModeRegister every registration worker
+	// populates its segment before registering it. Default 0, negative:
+	// none.
+	PrefaultWorkers int
+	// CopyFraction (ModeRegister) sends the last fraction of every
+	// unconverted chunk through the host copy while the rest goes straight
+	// from the registered checkpoint, so that both feed the copy engine
+	// (default 0: everything direct).
+	CopyFraction float64
+	// Unregister (ModeRegister) says when segments are unpinned (default
+	// UnregisterEarly).
+	Unregister UnregisterPolicy
 	// DeviceMargin is device memory left free besides the buffers (default
 	// 256 MiB): CUDA and NCCL allocate lazily too.
 	DeviceMargin int64
@@ -33,47 +136,108 @@ type Options struct {
 }
 
 func (o Options) withDefaults() Options {
+	d := DefaultOptions
+	if o.Mode == 0 {
+		o.Mode = d.Mode
+	}
 	if o.Buffers <= 0 {
-		o.Buffers = 2
+		o.Buffers = max(d.Buffers, 1)
+	}
+	if o.CopyWorkers <= 0 {
+		o.CopyWorkers = d.CopyWorkers
 	}
 	if o.CopyWorkers <= 0 {
 		o.CopyWorkers = min(runtime.GOMAXPROCS(0), 16)
 	}
 	if o.SplitBytes <= 0 {
-		o.SplitBytes = 8 << 20
+		o.SplitBytes = max(d.SplitBytes, 1)
+	}
+	if o.WindowBytes == 0 {
+		o.WindowBytes = d.WindowBytes
 	}
 	if o.HostAllocFlags == 0 {
-		o.HostAllocFlags = nccl.HostAllocPortable
+		o.HostAllocFlags = d.HostAllocFlags
+	}
+	if o.RegisterSegmentBytes <= 0 {
+		o.RegisterSegmentBytes = max(d.RegisterSegmentBytes, 1)
+	}
+	pg := int64(os.Getpagesize())
+	o.RegisterSegmentBytes = (o.RegisterSegmentBytes + pg - 1) / pg * pg
+	if o.RegisterWorkers <= 0 {
+		o.RegisterWorkers = max(d.RegisterWorkers, 1)
+	}
+	if o.PrefaultWorkers == 0 {
+		o.PrefaultWorkers = d.PrefaultWorkers
+	}
+	if o.Unregister == 0 {
+		o.Unregister = d.Unregister
+	}
+	if o.CopyFraction == 0 {
+		o.CopyFraction = d.CopyFraction
+	}
+	if o.Unregister == 0 {
+		o.Unregister = UnregisterAtEnd
 	}
 	if o.DeviceMargin <= 0 {
-		o.DeviceMargin = 256 << 20
+		o.DeviceMargin = d.DeviceMargin
 	}
 	if o.CleanupTimeout <= 0 {
-		o.CleanupTimeout = 30 * time.Second
+		o.CleanupTimeout = d.CleanupTimeout
 	}
 	return o
 }
 
 // Result describes one run.
 type Result struct {
+	Mode    Mode
 	Bytes   int64 // bytes on the wire (or staged)
 	Tensors int
 	Chunks  int // broadcasts (or staged chunks)
 	Buffers int
 	// BufferBytes is the size of each pinned and device buffer.
 	BufferBytes int64
-	// Wall is the run from the first host copy to the completion of the
-	// last broadcast (or host-to-device copy); buffer allocation excluded.
+	// Windows is the number of host-to-device copy windows (see
+	// Options.WindowBytes).
+	Windows int
+	// Wall is the run from the first host copy (or registration) to the
+	// completion of the last broadcast (or host-to-device copy) and, in
+	// ModeRegister, the unregistration of the checkpoint; buffer allocation
+	// excluded.
 	Wall time.Duration
+	// Copied is the bytes that went through the host copy into pinned
+	// buffers; Direct the bytes copied to the device straight from the
+	// registered checkpoint (ModeRegister). Copied + Direct = Bytes.
+	Copied, Direct int64
 	// HostCopy is the wall time spent copying (and converting) from the
 	// checkpoint into pinned buffers, summed over chunks.
 	HostCopy time.Duration
 	// HostWait is the time the host waited for a buffer to come free.
 	HostWait time.Duration
-	// H2D and Broadcast are GPU times (CUDA events) summed over chunks:
-	// host-to-device copies, and broadcasts from the moment their copy was
-	// done.
+	// H2D and Broadcast are GPU times (CUDA events) summed over windows and
+	// chunks: host-to-device copies, and broadcasts from the moment their
+	// copy was done.
 	H2D, Broadcast time.Duration
+	// Registered is the bytes page-locked in place in Segments
+	// cudaHostRegister calls taking Register in all (summed over the
+	// RegisterWorkers threads, which run in parallel with each other and
+	// with the copies). Unregister is the time of all cudaHostUnregister
+	// calls (summed); UnregisterTail the wall time of the unregistration
+	// left after the last copy, which Wall includes.
+	Registered      int64
+	Segments        int
+	RegisterWorkers int
+	Register        time.Duration
+	Unregister      time.Duration
+	UnregisterTail  time.Duration
+	// EarlyUnregistered is the segments unregistered before the last copy
+	// completed (UnregisterEarly).
+	EarlyUnregistered int
+	// Prefault is the time spent in madvise(MADV_POPULATE_READ), summed
+	// over the goroutines doing it.
+	Prefault time.Duration
+	// Fallback says why bytes that ModeRegister would have sent directly
+	// went through the host copy ("" when none did).
+	Fallback string
 }
 
 func gbps(b int64, d time.Duration) float64 {
@@ -91,10 +255,37 @@ func (r Result) Throughput() float64 {
 	return float64(r.Bytes) / r.Wall.Seconds()
 }
 
+// Overlap says how much of the host-side work (host copy, or registration
+// when nothing was copied) ran concurrently with the host-to-device copies:
+// (host + H2D - Wall) / min(host, H2D), clamped to [0, 1]. 1 means the
+// shorter of the two was entirely hidden, 0 that they ran one after the
+// other.
+func (r Result) Overlap() float64 {
+	host := r.HostCopy
+	if r.Copied == 0 {
+		host = r.Register / time.Duration(max(r.RegisterWorkers, 1))
+	}
+	m := min(host, r.H2D)
+	if m <= 0 {
+		return 0
+	}
+	return max(0, min(1, float64(host+r.H2D-r.Wall)/float64(m)))
+}
+
 func (r Result) String() string {
-	s := fmt.Sprintf("%d bytes, %d tensors, %d chunks, %d x %d-byte buffers: wall %v (%.2f GB/s), host copy %v (%.2f GB/s), host wait %v, H2D %v (%.2f GB/s)",
-		r.Bytes, r.Tensors, r.Chunks, r.Buffers, r.BufferBytes, r.Wall, gbps(r.Bytes, r.Wall),
-		r.HostCopy, gbps(r.Bytes, r.HostCopy), r.HostWait, r.H2D, gbps(r.Bytes, r.H2D))
+	s := fmt.Sprintf("%s: %d bytes, %d tensors, %d chunks, %d windows, %d x %d-byte buffers: wall %v (%.2f GB/s), host copy %d bytes in %v (%.2f GB/s), host wait %v, H2D %v (%.2f GB/s), overlap %.2f",
+		r.Mode, r.Bytes, r.Tensors, r.Chunks, r.Windows, r.Buffers, r.BufferBytes, r.Wall, gbps(r.Bytes, r.Wall),
+		r.Copied, r.HostCopy, gbps(r.Copied, r.HostCopy), r.HostWait, r.H2D, gbps(r.Bytes, r.H2D), r.Overlap())
+	if r.Mode == ModeRegister {
+		s += fmt.Sprintf(", direct %d bytes, registered %d bytes in %d segments: register %v summed over %d workers (%.2f GB/s per worker), unregister %v (%d segments early, tail %v)",
+			r.Direct, r.Registered, r.Segments, r.Register, r.RegisterWorkers, gbps(r.Registered, r.Register), r.Unregister, r.EarlyUnregistered, r.UnregisterTail)
+	}
+	if r.Prefault > 0 {
+		s += fmt.Sprintf(", prefault %v", r.Prefault)
+	}
+	if r.Fallback != "" {
+		s += ", fallback: " + r.Fallback
+	}
 	if r.Broadcast > 0 {
 		s += fmt.Sprintf(", broadcast %v (%.2f GB/s)", r.Broadcast, gbps(r.Bytes, r.Broadcast))
 	}
@@ -102,9 +293,10 @@ func (r Result) String() string {
 }
 
 // Pipeline owns N pinned host buffers, N device buffers, a copy stream and
-// the events that order them, all on one device. It runs one transfer at a
-// time (not safe for concurrent runs) and can be reused across updates and
-// across communicators of the same device.
+// the events that order them, all on one device (and, in ModeRegister, the
+// registration workers' threads). It runs one transfer at a time (not safe
+// for concurrent runs) and can be reused across updates and across
+// communicators of the same device.
 type Pipeline struct {
 	dev   *nccl.Device // the actor that allocated, and frees, the resources
 	opts  Options
@@ -112,10 +304,20 @@ type Pipeline struct {
 	host  [][]byte
 	devb  []nccl.DevPtr
 	copyS nccl.Stream
-	// Per slot: the host-to-device copy's start and end, the broadcast's
-	// start and end. All timing-capable: they order and they measure.
-	h2dStart, h2dDone, bStart, bDone []nccl.Event
-	broken                           error // set when in-flight work could not be drained
+	// Per slot: the end of the chunk's host-to-device copies, the
+	// broadcast's start and end. All timing-capable: they order and they
+	// measure.
+	h2dDone, bStart, bDone []nccl.Event
+	// Per slot and window: the start and end of each host-to-device copy
+	// (created as windows are first needed), and how many the slot's
+	// current chunk used.
+	wStart, wDone [][]nccl.Event
+	used          []int
+	// helpers are ModeRegister's registration threads: cudaHostRegister
+	// takes milliseconds per segment and must not hold up the actor that
+	// issues the copies.
+	helpers []*nccl.Device
+	broken  error // set when in-flight work could not be drained
 }
 
 // New allocates a pipeline whose buffers carry chunks of up to bufferBytes
@@ -128,7 +330,9 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 	}
 	p := &Pipeline{dev: dev, opts: opts, size: bufferBytes}
 	n := opts.Buffers
+	var lib nccl.API
 	err := dev.Do(ctx, func(api nccl.API) error {
+		lib = api
 		free, total, err := api.MemGetInfo()
 		if err != nil {
 			return err
@@ -144,6 +348,8 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 				return fmt.Errorf("staging: device buffer %d of %d: %w", i+1, n, err)
 			}
 			p.devb = append(p.devb, d)
+			// Pinned staging buffers exist in ModeRegister too: converted
+			// chunks and fallbacks go through them.
 			h, err := api.HostAlloc(int(bufferBytes), opts.HostAllocFlags)
 			if err != nil {
 				return fmt.Errorf("staging: pinned host buffer %d of %d (%d bytes; check the memlock limit and free RAM): %w", i+1, n, bufferBytes, err)
@@ -153,7 +359,7 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 		if p.copyS, err = api.StreamCreate(nccl.StreamNonBlocking); err != nil {
 			return err
 		}
-		for _, evs := range []*[]nccl.Event{&p.h2dStart, &p.h2dDone, &p.bStart, &p.bDone} {
+		for _, evs := range []*[]nccl.Event{&p.h2dDone, &p.bStart, &p.bDone} {
 			for i := 0; i < n; i++ {
 				e, err := api.EventCreate(nccl.EventDefault)
 				if err != nil {
@@ -162,8 +368,23 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 				*evs = append(*evs, e)
 			}
 		}
+		p.wStart, p.wDone, p.used = make([][]nccl.Event, n), make([][]nccl.Event, n), make([]int, n)
 		return nil
 	})
+	if err == nil && opts.Mode == ModeRegister {
+		threads := opts.RegisterWorkers
+		if opts.Unregister == UnregisterEarly {
+			threads++ // the last one unregisters
+		}
+		for i := 0; i < threads; i++ {
+			h, herr := nccl.OpenDevice(lib, dev.Ordinal())
+			if herr != nil {
+				err = fmt.Errorf("staging: registration thread %d of %d: %w", i+1, threads, herr)
+				break
+			}
+			p.helpers = append(p.helpers, h)
+		}
+	}
 	if err != nil {
 		p.release(context.Background())
 		return nil, err
@@ -174,6 +395,9 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 // BufferBytes is the capacity of each buffer.
 func (p *Pipeline) BufferBytes() int64 { return p.size }
 
+// Options are the pipeline's options with the defaults filled in.
+func (p *Pipeline) Options() Options { return p.opts }
+
 // Close frees every resource. After a failure whose copies could not be
 // drained it frees only what cannot be in use (the device memory is then
 // leaked on purpose: cudaFree would wait on the stuck work).
@@ -182,6 +406,10 @@ func (p *Pipeline) Close(ctx context.Context) error {
 }
 
 func (p *Pipeline) release(ctx context.Context) error {
+	for _, h := range p.helpers {
+		h.Close()
+	}
+	p.helpers = nil
 	return p.dev.Do(ctx, func(api nccl.API) error {
 		var first error
 		keep := func(err error) {
@@ -200,13 +428,16 @@ func (p *Pipeline) release(ctx context.Context) error {
 				keep(api.StreamDestroy(p.copyS))
 			}
 		}
-		for _, evs := range [][]nccl.Event{p.h2dStart, p.h2dDone, p.bStart, p.bDone} {
+		all := [][]nccl.Event{p.h2dDone, p.bStart, p.bDone}
+		all = append(all, p.wStart...)
+		all = append(all, p.wDone...)
+		for _, evs := range all {
 			for _, e := range evs {
 				keep(api.EventDestroy(e))
 			}
 		}
 		p.devb, p.host, p.copyS = nil, nil, 0
-		p.h2dStart, p.h2dDone, p.bStart, p.bDone = nil, nil, nil, nil
+		p.h2dDone, p.bStart, p.bDone, p.wStart, p.wDone = nil, nil, nil, nil, nil
 		if p.broken != nil {
 			return fmt.Errorf("staging: buffers left allocated after %v", p.broken)
 		}
@@ -238,6 +469,178 @@ func (p *Pipeline) Stage(ctx context.Context, src Source, chunks []Chunk) (Resul
 	return p.run(ctx, p.dev, nil, src, chunks)
 }
 
+// h2d enqueues one window of host-to-device copies into slot's device
+// buffer on the copy stream, between the window's two events, and returns
+// the event after the copies.
+func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfer) (nccl.Event, error) {
+	var done nccl.Event
+	err := dev.Do(ctx, func(api nccl.API) error {
+		w := p.used[slot]
+		if w == len(p.wStart[slot]) {
+			for _, evs := range []*[]nccl.Event{&p.wStart[slot], &p.wDone[slot]} {
+				e, err := api.EventCreate(nccl.EventDefault)
+				if err != nil {
+					return err
+				}
+				*evs = append(*evs, e)
+			}
+		}
+		if err := api.EventRecord(p.wStart[slot][w], p.copyS); err != nil {
+			return err
+		}
+		for _, x := range xs {
+			if err := api.MemcpyHtoDAsync(p.devb[slot]+nccl.DevPtr(x.dst), x.src, p.copyS); err != nil {
+				return fmt.Errorf("%d bytes at chunk offset %d: %w", len(x.src), x.dst, err)
+			}
+		}
+		if err := api.EventRecord(p.wDone[slot][w], p.copyS); err != nil {
+			return err
+		}
+		p.used[slot]++
+		done = p.wDone[slot][w]
+		return nil
+	})
+	return done, err
+}
+
+// h2dTime sums the GPU time of the windows of slot's last chunk (all
+// complete: the caller waited for the slot's h2dDone).
+func (p *Pipeline) h2dTime(ctx context.Context, dev *nccl.Device, slot int) time.Duration {
+	var sum time.Duration
+	_ = dev.Do(ctx, func(api nccl.API) error {
+		for w := 0; w < p.used[slot]; w++ {
+			if d, err := api.EventElapsedTime(p.wStart[slot][w], p.wDone[slot][w]); err == nil {
+				sum += d
+			}
+		}
+		return nil
+	})
+	return sum
+}
+
+// copyOut is what one host-copy range adds to the Result.
+type copyOut struct {
+	windows  int
+	copied   int64
+	hostCopy time.Duration
+	err      error
+}
+
+// copyRange stages bytes [from, to) of chunk c through slot's pinned
+// buffer, each window copied to the device as soon as it is filled.
+func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, cp *hostCopier, c Chunk, slot int, from, to int64) copyOut {
+	var out copyOut
+	t := time.Now()
+	defer func() { out.hostCopy = time.Since(t) }()
+	parts, wins, err := cp.parts(c, p.host[slot], from, to)
+	if err != nil {
+		out.err = err
+		return out
+	}
+	out.err = cp.fill(ctx, parts, len(wins), func(w int) error {
+		x := xfer{dst: wins[w].off, src: p.host[slot][wins[w].off:wins[w].end]}
+		if _, err := p.h2d(ctx, dev, slot, []xfer{x}); err != nil {
+			return fmt.Errorf("host-to-device copy: %w", err)
+		}
+		out.windows++
+		return nil
+	})
+	out.copied = to - from
+	return out
+}
+
+// splitPoint is where ModeRegister's direct part of an unconverted chunk
+// ends: the last CopyFraction of it goes through the host copy at the same
+// time, so that the copy workers and the registration feed the copy engine
+// together.
+func (p *Pipeline) splitPoint(c Chunk) int64 {
+	if p.opts.CopyFraction <= 0 {
+		return c.Bytes
+	}
+	return c.Bytes - int64(float64(c.Bytes)*min(p.opts.CopyFraction, 1))
+}
+
+// stageChunk issues chunk c's host-to-device copies into slot: straight
+// from registered segments where it can (reg != nil), through the pinned
+// buffer for the rest (the CopyFraction tail concurrently, a failed
+// registration's remainder after). It returns once every copy is enqueued.
+func (p *Pipeline) stageChunk(ctx context.Context, dev *nccl.Device, cp *hostCopier, reg *registrar, c Chunk, slot int, res *Result) error {
+	merge := func(o copyOut) error {
+		res.Windows += o.windows
+		res.Copied += o.copied
+		res.HostCopy += o.hostCopy
+		return o.err
+	}
+	if reg == nil || hasConversion(c) || !reg.usable() {
+		return merge(p.copyRange(ctx, dev, cp, c, slot, 0, c.Bytes))
+	}
+	split := p.splitPoint(c)
+	var tail chan copyOut
+	if split < c.Bytes {
+		tail = make(chan copyOut, 1)
+		go func() { tail <- p.copyRange(ctx, dev, cp, c, slot, split, c.Bytes) }()
+	}
+	from, err := p.directRange(ctx, dev, reg, c, slot, split, res)
+	if err == nil && from < split {
+		err = merge(p.copyRange(ctx, dev, cp, c, slot, from, split))
+	}
+	if tail != nil {
+		// Always joined: the tail uses the pinned buffer and the actor.
+		if terr := merge(<-tail); err == nil {
+			err = terr
+		}
+	}
+	return err
+}
+
+// directRange issues bytes [0, split) of chunk c straight from the
+// registered checkpoint, in windows, each once its segments are
+// registered, so the copy engine follows the registration closely. It
+// returns how far it got: short of split when a registration failed (the
+// caller copies the rest; Result.Fallback says why).
+func (p *Pipeline) directRange(ctx context.Context, dev *nccl.Device, reg *registrar, c Chunk, slot int, split int64, res *Result) (int64, error) {
+	xs, err := reg.segs.plan(c, split)
+	if err != nil {
+		return 0, err
+	}
+	if len(xs) == 0 {
+		return split, nil // only empty tensors
+	}
+	from := int64(0)
+	for i := 0; i < len(xs); {
+		j, n := i, int64(0)
+		for j < len(xs) && (n == 0 || p.opts.WindowBytes <= 0 || n < p.opts.WindowBytes) {
+			n += int64(len(xs[j].src))
+			j++
+		}
+		for _, x := range xs[i:j] {
+			if err := reg.wait(ctx, x.seg); err != nil {
+				if ctx.Err() != nil {
+					return from, ctx.Err()
+				}
+				// Registration failed: the rest of the chunk (and every
+				// later one) goes through the host copy.
+				if res.Fallback == "" {
+					res.Fallback = err.Error()
+				}
+				return from, nil
+			}
+		}
+		done, err := p.h2d(ctx, dev, slot, xs[i:j])
+		if err != nil {
+			return from, fmt.Errorf("host-to-device copy from the registered checkpoint: %w", err)
+		}
+		for _, x := range xs[i:j] {
+			reg.issued(x.seg, int64(len(x.src)), done)
+		}
+		res.Windows++
+		res.Direct += n
+		from = xs[j-1].dst + int64(len(xs[j-1].src))
+		i = j
+	}
+	return split, nil
+}
+
 func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, src Source, chunks []Chunk) (res Result, err error) {
 	if p.broken != nil {
 		return res, fmt.Errorf("staging: pipeline unusable: %w", p.broken)
@@ -249,12 +652,16 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 		return res, fmt.Errorf("staging: largest chunk is %d bytes, buffers hold %d: a broadcast cannot be split (the receiver takes each in one call)", m, p.size)
 	}
 	n := len(p.host)
-	res.Buffers, res.BufferBytes, res.Chunks = n, p.size, len(chunks)
+	res.Mode, res.Buffers, res.BufferBytes, res.Chunks = p.opts.Mode, n, p.size, len(chunks)
 	for _, c := range chunks {
 		res.Bytes += c.Bytes
 		res.Tensors += len(c.Pieces)
 	}
-	cp := &hostCopier{src: src, workers: p.opts.CopyWorkers, minSplit: p.opts.SplitBytes}
+	partBytes := p.opts.SplitBytes
+	if p.opts.WindowBytes > 0 {
+		partBytes = min(partBytes, max(p.opts.WindowBytes/int64(p.opts.CopyWorkers), 1))
+	}
+	cp := &hostCopier{src: src, workers: p.opts.CopyWorkers, partBytes: partBytes, window: p.opts.WindowBytes}
 
 	wait := func(e nccl.Event) error {
 		t := time.Now()
@@ -264,22 +671,69 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 		}
 		return dev.WaitEvent(ctx, e)
 	}
-	elapsed := func(a, b nccl.Event) time.Duration {
-		var d time.Duration
-		_ = dev.Do(ctx, func(api nccl.API) error {
-			var err error
-			d, err = api.EventElapsedTime(a, b)
-			return err
-		})
-		return d
+
+	start := time.Now()
+	// Registration and prefaulting run beside the copies; finish stops
+	// them and, once no copy can read the checkpoint any more, unregisters
+	// it (on failure only after drain emptied the copy stream).
+	var reg *registrar
+	var pf *prefaulter
+	ms, mapped := src.(MappedSource)
+	if p.opts.Mode == ModeRegister {
+		if !mapped {
+			res.Fallback = fmt.Sprintf("the source (%T) is not a mapped checkpoint", src)
+		} else if segs, serr := newSegments(ms, p.opts.RegisterSegmentBytes, chunks, p.splitPoint); serr != nil {
+			res.Fallback = serr.Error()
+		} else {
+			helpers, unreg := p.helpers, (*nccl.Device)(nil)
+			if p.opts.Unregister == UnregisterEarly {
+				helpers, unreg = p.helpers[:len(p.helpers)-1], p.helpers[len(p.helpers)-1]
+			}
+			reg = newRegistrar(segs, helpers, unreg, p.opts.PrefaultWorkers > 0)
+			reg.start(ctx)
+		}
+	} else if p.opts.PrefaultWorkers > 0 && mapped {
+		if segs, serr := newSegments(ms, p.opts.RegisterSegmentBytes, chunks, nil); serr == nil {
+			pf = startPrefault(segs.list, p.opts.PrefaultWorkers)
+		}
+	}
+	finished := false
+	finish := func() error {
+		if finished {
+			return nil
+		}
+		finished = true
+		if pf != nil {
+			res.Prefault += pf.stop()
+		}
+		if reg == nil {
+			return nil
+		}
+		reg.stop()
+		res.Register, res.Registered, res.Segments, res.Prefault = reg.register, reg.registered, reg.count, res.Prefault+reg.prefaulted
+		res.RegisterWorkers = len(reg.helpers)
+		if p.broken != nil {
+			// DMA may still read the pages: leave them locked, like the
+			// device memory.
+			reg.abandon()
+			return fmt.Errorf("staging: checkpoint left registered: %w", p.broken)
+		}
+		res.EarlyUnregistered = reg.unregistered()
+		t := time.Now()
+		uerr := reg.unregister()
+		res.UnregisterTail = time.Since(t)
+		res.Unregister = reg.unregT
+		return uerr
 	}
 	defer func() {
 		if err != nil {
 			p.drain(dev, comm, err)
+			if ferr := finish(); ferr != nil {
+				err = errors.Join(err, ferr)
+			}
 		}
 	}()
 
-	start := time.Now()
 	for k, c := range chunks {
 		slot := k % n
 		fail := func(what string, err error) error {
@@ -290,30 +744,20 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			if err := wait(p.h2dDone[slot]); err != nil {
 				return res, fail("waiting for a free pinned buffer", err)
 			}
-			res.H2D += elapsed(p.h2dStart[slot], p.h2dDone[slot])
-		}
-		t := time.Now()
-		if err := cp.fill(ctx, c, p.host[slot]); err != nil {
-			return res, fail("host copy", err)
-		}
-		res.HostCopy += time.Since(t)
-		err := dev.Do(ctx, func(api nccl.API) error {
-			if comm != nil && k >= n {
+			res.H2D += p.h2dTime(ctx, dev, slot)
+			if comm != nil {
 				// The device buffer is free once chunk k-n was broadcast;
 				// the GPU waits, the host goes on.
-				if err := api.StreamWaitEvent(p.copyS, p.bDone[slot]); err != nil {
-					return err
+				if err := dev.Do(ctx, func(api nccl.API) error { return api.StreamWaitEvent(p.copyS, p.bDone[slot]) }); err != nil {
+					return res, fail("ordering after the broadcast of chunk "+fmt.Sprint(k-n+1), err)
 				}
 			}
-			if err := api.EventRecord(p.h2dStart[slot], p.copyS); err != nil {
-				return err
-			}
-			if err := api.MemcpyHtoDAsync(p.devb[slot], p.host[slot][:c.Bytes], p.copyS); err != nil {
-				return err
-			}
-			return api.EventRecord(p.h2dDone[slot], p.copyS)
-		})
-		if err != nil {
+		}
+		p.used[slot] = 0
+		if err := p.stageChunk(ctx, dev, cp, reg, c, slot, &res); err != nil {
+			return res, fail("staging", err)
+		}
+		if err := dev.Do(ctx, func(api nccl.API) error { return api.EventRecord(p.h2dDone[slot], p.copyS) }); err != nil {
 			return res, fail("host-to-device copy", err)
 		}
 		if comm == nil {
@@ -326,7 +770,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			if err := wait(p.bDone[slot]); err != nil {
 				return res, fail("waiting for the broadcast of chunk "+fmt.Sprint(k-n+1), err)
 			}
-			res.Broadcast += elapsed(p.bStart[slot], p.bDone[slot])
+			res.Broadcast += p.elapsed(ctx, dev, p.bStart[slot], p.bDone[slot])
 		}
 		o := nccl.Order{After: p.h2dDone[slot], Start: p.bStart[slot], Done: p.bDone[slot]}
 		if err := comm.BroadcastAsync(ctx, p.devb[slot], c.Count, c.DType, o); err != nil {
@@ -339,16 +783,29 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 		if err := wait(p.h2dDone[slot]); err != nil {
 			return res, fmt.Errorf("staging: chunk %d of %d: host-to-device copy: %w", k+1, len(chunks), err)
 		}
-		res.H2D += elapsed(p.h2dStart[slot], p.h2dDone[slot])
+		res.H2D += p.h2dTime(ctx, dev, slot)
 		if comm != nil {
 			if err := wait(p.bDone[slot]); err != nil {
 				return res, fmt.Errorf("staging: chunk %d of %d: broadcast: %w", k+1, len(chunks), err)
 			}
-			res.Broadcast += elapsed(p.bStart[slot], p.bDone[slot])
+			res.Broadcast += p.elapsed(ctx, dev, p.bStart[slot], p.bDone[slot])
 		}
+	}
+	if err := finish(); err != nil {
+		return res, err
 	}
 	res.Wall = time.Since(start)
 	return res, nil
+}
+
+func (p *Pipeline) elapsed(ctx context.Context, dev *nccl.Device, a, b nccl.Event) time.Duration {
+	var d time.Duration
+	_ = dev.Do(ctx, func(api nccl.API) error {
+		var err error
+		d, err = api.EventElapsedTime(a, b)
+		return err
+	})
+	return d
 }
 
 // drain waits (bounded) for the copy stream after a failure, so that the
