@@ -123,6 +123,8 @@ var weightTransferObj = &object{
 		{name: "packed", doc: "pack tensors into large buffers before broadcasting"},
 		{name: "buffer_bytes", kind: kindSize, doc: "size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
 		{name: "num_buffers", min: minimum(1), doc: "packing buffers in flight"},
+		{name: "gpu_task_queue", doc: "nccl: task queue the GPU workers poll for gpu_acquire; default rlflow-gpu"},
+		{name: "gpu_start_timeout", doc: "nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; default 30s"},
 	},
 }
 

@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"net/url"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"gopkg.in/yaml.v3"
 )
@@ -33,6 +35,7 @@ func (l *loader) check(path string) {
 		return
 	}
 	l.checkSteps()
+	l.checkWeightTransfer()
 	l.checkCycles()
 	l.checkExprs()
 }
@@ -57,6 +60,36 @@ func unwrapURLError(err error) error {
 		return ue.Err
 	}
 	return err
+}
+
+// MinGPUStartTimeout bounds weight_transfer.gpu_start_timeout from below: a
+// shorter wait would take a live but busy GPU worker for dead.
+const MinGPUStartTimeout = Duration(time.Second)
+
+// checkWeightTransfer checks the GPU routing settings: they only mean
+// something for the nccl backend, and a GPU step's queue is chosen by the
+// interpreter (the acquired worker's), never by the file.
+func (l *loader) checkWeightTransfer() {
+	wt := l.p.WeightTransfer
+	if wt == nil {
+		return
+	}
+	if wt.Backend != "nccl" {
+		for _, f := range []string{"gpu_task_queue", "gpu_start_timeout"} {
+			if _, ok := l.pos["weight_transfer."+f]; ok {
+				l.errPath("weight_transfer."+f, "only applies to backend nccl, not %q", wt.Backend)
+			}
+		}
+		return
+	}
+	if _, ok := l.pos["weight_transfer.gpu_start_timeout"]; ok && !l.bad["weight_transfer.gpu_start_timeout"] && wt.GPUStartTimeout < MinGPUStartTimeout {
+		l.errPath("weight_transfer.gpu_start_timeout", "must be at least %s, got %s: a shorter wait takes a busy GPU worker for dead", MinGPUStartTimeout, wt.GPUStartTimeout)
+	}
+	for i, s := range l.p.Steps {
+		if s.TaskQueue != "" && slices.Contains(GPUStepTypes, s.Uses) {
+			l.errPath(indexPath("steps", i)+".task_queue", "%s steps run on the GPU worker acquired for them with backend nccl; remove task_queue (set weight_transfer.gpu_task_queue to choose the GPU pool)", s.Uses)
+		}
+	}
 }
 
 func (l *loader) checkLoop() {
