@@ -108,7 +108,7 @@ var serverObj = &object{
 	doc: "One vLLM instance. Control calls (pause, resume, weight transfer) fan out to every server.",
 	typ: reflect.TypeOf(Server{}),
 	fields: []field{
-		{name: "url", required: true, doc: "base URL, http or https"},
+		{name: "url", required: true, doc: "base URL, http or https; may use `${{ params.* }}` (only params), so one file serves any address given at launch"},
 		{name: "api_key_env", pattern: envVarRe, doc: "environment variable on the worker holding the API key; the key never enters workflow history"},
 		{name: "api", enum: serverAPIs, doc: "weight-transfer API generation; empty means probe the server"},
 	},

@@ -44,15 +44,55 @@ func (l *loader) checkServer(s Server, path string) {
 	if s.URL == "" {
 		return
 	}
-	u, err := url.Parse(s.URL)
+	if strings.Contains(s.URL, "${{") {
+		// Checked once params are known (Pipeline.ServersFor), so that one
+		// file serves any vLLM address given at launch.
+		l.checkTemplate(s.URL, path+".url", exprScope{paramsOnly: true})
+		return
+	}
+	if err := checkServerURL(s.URL); err != nil {
+		l.errPath(path+".url", "%v", err)
+	}
+}
+
+// checkServerURL accepts absolute http(s) URLs with a host.
+func checkServerURL(s string) error {
+	u, err := url.Parse(s)
 	switch {
 	case err != nil:
-		l.errPath(path+".url", "invalid URL %q: %v", clip(s.URL), unwrapURLError(err))
+		return fmt.Errorf("invalid URL %q: %v", clip(s), unwrapURLError(err))
 	case u.Scheme != "http" && u.Scheme != "https":
-		l.errPath(path+".url", "URL %q must start with http:// or https://", clip(s.URL))
+		return fmt.Errorf("URL %q must start with http:// or https://", clip(s))
 	case u.Host == "":
-		l.errPath(path+".url", "URL %q has no host", clip(s.URL))
+		return fmt.Errorf("URL %q has no host", clip(s))
 	}
+	return nil
+}
+
+// ServersFor returns the servers with their URLs rendered from the launch
+// params (servers[].url may hold ${{ params.* }} expressions), each checked
+// as Load checks a literal URL. It is pure, so workflow code may call it.
+func (p *Pipeline) ServersFor(params map[string]any) ([]Server, error) {
+	if len(p.Servers) == 0 {
+		return nil, nil
+	}
+	out := make([]Server, len(p.Servers))
+	for i, s := range p.Servers {
+		v, err := RenderString(s.URL, Env{Params: params})
+		if err != nil {
+			return nil, fmt.Errorf("servers[%d].url: %w", i, err)
+		}
+		u, ok := v.(string)
+		if !ok {
+			return nil, fmt.Errorf("servers[%d].url: %q renders to %T, not a string", i, clip(s.URL), v)
+		}
+		if err := checkServerURL(u); err != nil {
+			return nil, fmt.Errorf("servers[%d].url: %w", i, err)
+		}
+		s.URL = u
+		out[i] = s
+	}
+	return out, nil
 }
 
 func unwrapURLError(err error) error {

@@ -39,7 +39,11 @@ func Iteration(ctx workflow.Context, in IterationInput) (*IterationResult, error
 	if in.Spec == nil {
 		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", "BadInput", nil)
 	}
-	it := &interpreter{in: in, paused: in.Paused, gpu: newGPURouting(ctx, in)}
+	servers, err := in.Spec.ServersFor(in.Params)
+	if err != nil {
+		return nil, temporal.NewNonRetryableApplicationError(err.Error(), "BadInput", nil)
+	}
+	it := &interpreter{in: in, paused: in.Paused, servers: servers, gpu: newGPURouting(ctx, in)}
 	for i := range in.Spec.Steps {
 		s := &in.Spec.Steps[i]
 		it.order = append(it.order, s.ID)
@@ -59,7 +63,8 @@ type interpreter struct {
 	failed    error // first real step failure
 	cancelled bool
 	running   int
-	gpu       *gpuRouting // nil: no GPU routing (disk backend, or recorded before it)
+	gpu       *gpuRouting        // nil: no GPU routing (disk backend, or recorded before it)
+	servers   []pipelines.Server // URLs rendered from the params
 }
 
 func (it *interpreter) byID(id string) *stepRun {
@@ -287,7 +292,7 @@ func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipel
 	spec := it.in.Spec
 	args[pipelines.ContextArg] = pipelines.StepContext{
 		Pipeline: spec.Name, RunID: it.in.RunID, Iteration: it.in.Iteration, StepID: s.ID,
-		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: spec.Servers, WeightTransfer: spec.WeightTransfer,
+		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: it.servers, WeightTransfer: spec.WeightTransfer,
 	}
 	opts := activityOptions(spec, s)
 	if it.isGPUStep(s) {

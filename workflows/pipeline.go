@@ -39,6 +39,10 @@ func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
 	}
 	in.Params = params
+	if _, err := spec.ServersFor(params); err != nil {
+		// Fail at launch, not in the first step that calls a server.
+		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
+	}
 
 	r := &pipelineRun{in: in, status: StatusRunning}
 	if err := workflow.SetQueryHandler(ctx, QueryProgress, r.progress); err != nil {
