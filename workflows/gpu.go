@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -129,13 +130,26 @@ func (it *interpreter) runGPU(ctx workflow.Context, r *stepRun, args map[string]
 	}
 }
 
+// routedAttemptSep joins a routed step's id and attempt into its activity id.
+const routedAttemptSep = "/attempt-"
+
+// RoutedStepID returns the step id of a routed step's activity id
+// ("sync/attempt-2" -> "sync"), for tools that read pending activities.
+func RoutedStepID(activityID string) (string, bool) {
+	step, n, ok := strings.Cut(activityID, routedAttemptSep)
+	if !ok || n == "" || strings.Trim(n, "0123456789") != "" {
+		return "", false
+	}
+	return step, true
+}
+
 // gpuActivityOptions places one attempt of a GPU step on host's queue.
 // The ScheduleToStart timeout is what notices a dead worker (nobody polls
 // its queue); the default heartbeat notices one dying mid-step. Activity
 // ids are per attempt because each attempt is its own activity.
 func gpuActivityOptions(base workflow.ActivityOptions, stepID string, attempt int, host GPUHost, startTimeout time.Duration) workflow.ActivityOptions {
 	opts := base
-	opts.ActivityID = fmt.Sprintf("%s/attempt-%d", stepID, attempt)
+	opts.ActivityID = fmt.Sprintf("%s%s%d", stepID, routedAttemptSep, attempt)
 	opts.TaskQueue = host.TaskQueue
 	opts.ScheduleToStartTimeout = startTimeout
 	opts.RetryPolicy = &temporal.RetryPolicy{MaximumAttempts: 1}

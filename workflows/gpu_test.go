@@ -421,3 +421,15 @@ func TestBackoffFollowsTemporalRules(t *testing.T) {
 		assert.Equal(t, tc.want, backoff(&tc.rp, tc.attempt), "%+v attempt %d", tc.rp, tc.attempt)
 	}
 }
+
+func TestRoutedStepID(t *testing.T) {
+	for id, want := range map[string]string{"sync/attempt-1": "sync", "sync/attempt-12": "sync", "sync": "", "sync/attempt-": "", "sync/attempt-x": ""} {
+		got, ok := RoutedStepID(id)
+		assert.Equal(t, want != "", ok, id)
+		assert.Equal(t, want, got, id)
+	}
+	o := gpuActivityOptions(workflow.ActivityOptions{RetryPolicy: &temporal.RetryPolicy{}}, "sync", 3, hostA, time.Second)
+	step, ok := RoutedStepID(o.ActivityID)
+	assert.True(t, ok)
+	assert.Equal(t, "sync", step)
+}
