@@ -3,6 +3,7 @@ package workflows
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -432,4 +433,28 @@ func TestRoutedStepID(t *testing.T) {
 	step, ok := RoutedStepID(o.ActivityID)
 	assert.True(t, ok)
 	assert.Equal(t, "sync", step)
+}
+
+func TestCancelWhileWaitingForAGPUWorker(t *testing.T) {
+	f, g := newFake(), newFakeGPU(hostA)
+	env := newEnv(t, f)
+	// No GPU worker: the acquire waits on the queue until the run is cancelled.
+	env.RegisterActivityWithOptions(func(ctx context.Context, in GPUAcquireInput) (GPUHost, error) {
+		go env.CancelWorkflow()
+		<-ctx.Done()
+		return GPUHost{}, ctx.Err()
+	}, activity.RegisterOptions{Name: AcquireGPUActivity})
+	broadcast := func(ctx context.Context, in map[string]any) (map[string]any, error) { return g.step(ctx, in) }
+	env.RegisterActivityWithOptions(broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
+	p := ncclSpec()
+	p.Steps = slices.Delete(p.Steps, 1, 2) // gen -> sync -> resume (always)
+	p.Steps[1].Needs = []string{"gen"}
+	env.ExecuteWorkflow(IterationWorkflow, IterationInput{Spec: p, Iteration: 1, RunID: "run"})
+	err := env.GetWorkflowError()
+	require.Error(t, err)
+	assert.True(t, temporal.IsCanceledError(err), "got %v", err)
+	assert.Empty(t, g.calls, "sync never ran")
+	assert.Equal(t, []string{"gen", "resume"}, f.calls, "the always step ran")
+	r := res0(env, &IterationResult{})
+	assert.Equal(t, StatusCancelled, stepByID(r, "sync").Status)
 }
