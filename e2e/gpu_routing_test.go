@@ -209,6 +209,12 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	assert.Equal(t, []int32{1, 1, 1}, []int32{g1.acquires.Load(), g2.acquires.Load(), g3.acquires.Load()}, "one acquire per worker: the host is reused until lost")
 	pp := progressOf(ctx, t, c, run.GetID())
 	assert.Equal(t, g3.queue, pp.GPUHost.TaskQueue, "the run carries the last worker")
+	if dir := os.Getenv("RLFLOW_RECORD_HISTORY"); dir != "" {
+		b, err := protojson.Marshal(&historypb.History{Events: history(ctx, t, c, run.GetID())})
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(dir+"/history_pipeline_gpu.json", b, 0o644))
+		t.Logf("recorded %s (workflow id %s)", dir, run.GetID())
+	}
 }
 
 func waitOn[T any](ctx context.Context, t *testing.T, ch <-chan T, what string) T {
