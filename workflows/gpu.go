@@ -249,7 +249,7 @@ func gpuWorkerLost(err error) (bool, string) {
 	}
 	var app *temporal.ApplicationError
 	if errors.As(err, &app) && app.Type() == ErrTypeGPUWorkerLost {
-		return true, app.Error()
+		return true, "the activity reported it" // its message follows in the error
 	}
 	return false, ""
 }

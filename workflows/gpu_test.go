@@ -458,3 +458,15 @@ func TestCancelWhileWaitingForAGPUWorker(t *testing.T) {
 	r := res0(env, &IterationResult{})
 	assert.Equal(t, StatusCancelled, stepByID(r, "sync").Status)
 }
+
+func TestGPUWorkerLostErrorNamesTheCause(t *testing.T) {
+	g := newFakeGPU(hostA, hostB)
+	g.errs["sync"] = []error{temporal.NewApplicationError("communicator aborted: device lost", ErrTypeGPUWorkerLost)}
+	p := ncclSpec()
+	p.Steps[2].Retry.MaxAttempts = 1
+	env := newGPUEnv(t, newFake(), g)
+	_, err := runIteration(t, env, p)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "GPU worker host-a (task queue rlflow-gpu/host-a/1001) lost (the activity reported it) on attempt 1 of 1: communicator aborted: device lost")
+	assert.Len(t, g.acquires, 1)
+}
