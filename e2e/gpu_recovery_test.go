@@ -238,9 +238,8 @@ type writerFunc func([]byte) (int, error)
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 
 func TestGPUWorkerSIGKILLDuringBroadcast(t *testing.T) {
-	bin := devtest.RlflowBinary(t)
-	requireGPUWorkerCommand(t, bin)
-	srv := devtest.Server(t)
+	// Everything up to the pipeline's load runs even while the test must
+	// skip, so that a broken pipeline or double setup shows now.
 	dir := t.TempDir()
 	ckptRoot := filepath.Join(dir, "ckpt")
 	dirs, models := writeCheckpoints(t, ckptRoot, 2)
@@ -270,6 +269,9 @@ func TestGPUWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	params, err := spec.ResolveParams(map[string]string{"ckpt_root": ckptRoot})
 	require.NoError(t, err)
 
+	bin := devtest.RlflowBinary(t)
+	requireGPUWorkerCommand(t, bin)
+	srv := devtest.Server(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	c, err := launch.Connect(ctx, srv.Address, "default")
