@@ -25,7 +25,6 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 )
 
@@ -358,10 +357,7 @@ func stepOf(t *testing.T, p workflows.Progress, id string) workflows.StepResult 
 func broadcastQueues(ctx context.Context, t *testing.T, c client.Client, id string) []string {
 	t.Helper()
 	var qs []string
-	it := c.GetWorkflowHistory(ctx, id, "", false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
-	for it.HasNext() {
-		ev, err := it.Next()
-		require.NoError(t, err)
+	for _, ev := range history(ctx, t, c, id) {
 		if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil && a.GetActivityType().GetName() == pipelines.StepBroadcast {
 			qs = append(qs, a.GetTaskQueue().GetName())
 		}

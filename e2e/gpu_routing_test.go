@@ -180,12 +180,9 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	} {
 		id := fmt.Sprintf("%s/iter-%d", run.GetID(), tc.iter)
 		events := history(ctx, t, c, id)
-		var queues []string
+		queues := broadcastQueues(ctx, t, c, id)
 		var timeouts []enumspb.TimeoutType
 		for _, ev := range events {
-			if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil && a.GetActivityType().GetName() == pipelines.StepBroadcast {
-				queues = append(queues, a.GetTaskQueue().GetName())
-			}
 			if a := ev.GetActivityTaskTimedOutEventAttributes(); a != nil {
 				timeouts = append(timeouts, a.GetFailure().GetTimeoutFailureInfo().GetTimeoutType())
 			}
