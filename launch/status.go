@@ -69,16 +69,26 @@ func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (
 	pending := map[string]StepView{}
 	if cd, err := c.DescribeWorkflowExecution(qctx, st.Progress.Child, ""); err == nil {
 		for _, pa := range cd.GetPendingActivities() {
-			pending[pa.GetActivityId()] = StepView{
+			v := StepView{
 				StepResult:  workflows.StepResult{Attempts: int(pa.GetAttempt())},
 				LastFailure: pa.GetLastFailure().GetMessage(),
 			}
+			id := pa.GetActivityId()
+			if step, ok := workflows.RoutedStepID(id); ok {
+				// A step on a GPU worker runs one activity per attempt; the
+				// interpreter, not Temporal, counts its attempts.
+				id, v.Attempts = step, 0
+			}
+			pending[id] = v
 		}
 	}
 	for _, s := range child.Steps {
 		v := StepView{StepResult: s}
 		if p, ok := pending[s.ID]; ok && s.Status == workflows.StatusRunning {
-			v.Attempts, v.LastFailure = p.Attempts, p.LastFailure
+			v.LastFailure = p.LastFailure
+			if p.Attempts > 0 {
+				v.Attempts = p.Attempts
+			}
 		}
 		st.Steps = append(st.Steps, v)
 	}
@@ -129,6 +139,9 @@ func PrintStatus(w io.Writer, st *RunStatus) {
 			detail = firstLine(s.Error)
 		case s.Status == workflows.StatusSucceeded:
 			detail = formatOutputs(s.Outputs)
+		}
+		if h := s.GPUHost; h != nil {
+			detail = fmt.Sprintf("[gpu %s:%d] %s", h.Host, h.Device, detail)
 		}
 		att := ""
 		if s.Attempts > 0 {

@@ -21,6 +21,9 @@ type exprScope struct {
 	// step is the id of the step the expression belongs to; "" for
 	// loop.until, which runs after the whole iteration and may see any step.
 	step string
+	// paramsOnly is set where only launch values are known (servers[].url):
+	// the value is fixed for the whole run, before any step ran.
+	paramsOnly bool
 }
 
 // exprSite locates an expression inside a YAML scalar.
@@ -315,6 +318,10 @@ func (l *loader) checkRefs(root ast.Node, src string, site exprSite, scope exprS
 func (l *loader) checkRoot(id *ast.IdentifierNode, props []prop, src string, site exprSite, scope exprScope) {
 	at := runeOffset(src, id.Location().From)
 	report := func(format string, args ...any) { l.errExpr(site, at, format, args...) }
+	if scope.paramsOnly && id.Value != "params" {
+		report("only params may be referenced here, not %q: the value is fixed when the run starts", clip(id.Value))
+		return
+	}
 	switch id.Value {
 	case "params":
 		if len(props) == 0 {

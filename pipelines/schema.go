@@ -108,7 +108,7 @@ var serverObj = &object{
 	doc: "One vLLM instance. Control calls (pause, resume, weight transfer) fan out to every server.",
 	typ: reflect.TypeOf(Server{}),
 	fields: []field{
-		{name: "url", required: true, doc: "base URL, http or https"},
+		{name: "url", required: true, doc: "base URL, http or https; may use `${{ params.* }}` (only params), so one file serves any address given at launch"},
 		{name: "api_key_env", pattern: envVarRe, doc: "environment variable on the worker holding the API key; the key never enters workflow history"},
 		{name: "api", enum: serverAPIs, doc: "weight-transfer API generation; empty means probe the server"},
 	},
@@ -123,6 +123,8 @@ var weightTransferObj = &object{
 		{name: "packed", doc: "pack tensors into large buffers before broadcasting"},
 		{name: "buffer_bytes", kind: kindSize, doc: "size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
 		{name: "num_buffers", min: minimum(1), doc: "packing buffers in flight"},
+		{name: "gpu_task_queue", doc: "nccl: task queue the GPU workers poll for gpu_acquire; default rlflow-gpu"},
+		{name: "gpu_start_timeout", doc: "nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; default 30s"},
 	},
 }
 

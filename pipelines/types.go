@@ -75,6 +75,14 @@ type WeightTransfer struct {
 	Packed      bool   `json:"packed,omitempty" yaml:"packed,omitempty"`
 	BufferBytes int64  `json:"buffer_bytes,omitempty" yaml:"-"`
 	NumBuffers  int    `json:"num_buffers,omitempty" yaml:"num_buffers,omitempty"`
+	// GPUTaskQueue is the shared task queue the GPU workers of this pipeline
+	// poll for gpu_acquire (nccl only; "" = the workflows package default,
+	// "rlflow-gpu"). Separate queues keep two trainers' GPU pools apart.
+	GPUTaskQueue string `json:"gpu_task_queue,omitempty" yaml:"gpu_task_queue,omitempty"`
+	// GPUStartTimeout is how long a GPU step may wait on its worker's
+	// host-specific queue before that worker is taken for dead and another
+	// is acquired (nccl only; 0 = the workflows package default).
+	GPUStartTimeout Duration `json:"gpu_start_timeout,omitempty" yaml:"gpu_start_timeout,omitempty"`
 }
 
 // Loop says how many iterations run. Exactly one of Iterations or Until is set

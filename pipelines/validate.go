@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"net/url"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"gopkg.in/yaml.v3"
 )
@@ -33,6 +35,7 @@ func (l *loader) check(path string) {
 		return
 	}
 	l.checkSteps()
+	l.checkWeightTransfer()
 	l.checkCycles()
 	l.checkExprs()
 }
@@ -41,15 +44,55 @@ func (l *loader) checkServer(s Server, path string) {
 	if s.URL == "" {
 		return
 	}
-	u, err := url.Parse(s.URL)
+	if strings.Contains(s.URL, "${{") {
+		// Checked once params are known (Pipeline.ServersFor), so that one
+		// file serves any vLLM address given at launch.
+		l.checkTemplate(s.URL, path+".url", exprScope{paramsOnly: true})
+		return
+	}
+	if err := checkServerURL(s.URL); err != nil {
+		l.errPath(path+".url", "%v", err)
+	}
+}
+
+// checkServerURL accepts absolute http(s) URLs with a host.
+func checkServerURL(s string) error {
+	u, err := url.Parse(s)
 	switch {
 	case err != nil:
-		l.errPath(path+".url", "invalid URL %q: %v", clip(s.URL), unwrapURLError(err))
+		return fmt.Errorf("invalid URL %q: %v", clip(s), unwrapURLError(err))
 	case u.Scheme != "http" && u.Scheme != "https":
-		l.errPath(path+".url", "URL %q must start with http:// or https://", clip(s.URL))
+		return fmt.Errorf("URL %q must start with http:// or https://", clip(s))
 	case u.Host == "":
-		l.errPath(path+".url", "URL %q has no host", clip(s.URL))
+		return fmt.Errorf("URL %q has no host", clip(s))
 	}
+	return nil
+}
+
+// ServersFor returns the servers with their URLs rendered from the launch
+// params (servers[].url may hold ${{ params.* }} expressions), each checked
+// as Load checks a literal URL. It is pure, so workflow code may call it.
+func (p *Pipeline) ServersFor(params map[string]any) ([]Server, error) {
+	if len(p.Servers) == 0 {
+		return nil, nil
+	}
+	out := make([]Server, len(p.Servers))
+	for i, s := range p.Servers {
+		v, err := RenderString(s.URL, Env{Params: params})
+		if err != nil {
+			return nil, fmt.Errorf("servers[%d].url: %w", i, err)
+		}
+		u, ok := v.(string)
+		if !ok {
+			return nil, fmt.Errorf("servers[%d].url: %q renders to %T, not a string", i, clip(s.URL), v)
+		}
+		if err := checkServerURL(u); err != nil {
+			return nil, fmt.Errorf("servers[%d].url: %w", i, err)
+		}
+		s.URL = u
+		out[i] = s
+	}
+	return out, nil
 }
 
 func unwrapURLError(err error) error {
@@ -57,6 +100,36 @@ func unwrapURLError(err error) error {
 		return ue.Err
 	}
 	return err
+}
+
+// MinGPUStartTimeout bounds weight_transfer.gpu_start_timeout from below: a
+// shorter wait would take a live but busy GPU worker for dead.
+const MinGPUStartTimeout = Duration(time.Second)
+
+// checkWeightTransfer checks the GPU routing settings: they only mean
+// something for the nccl backend, and a GPU step's queue is chosen by the
+// interpreter (the acquired worker's), never by the file.
+func (l *loader) checkWeightTransfer() {
+	wt := l.p.WeightTransfer
+	if wt == nil {
+		return
+	}
+	if wt.Backend != "nccl" {
+		for _, f := range []string{"gpu_task_queue", "gpu_start_timeout"} {
+			if _, ok := l.pos["weight_transfer."+f]; ok {
+				l.errPath("weight_transfer."+f, "only applies to backend nccl, not %q", wt.Backend)
+			}
+		}
+		return
+	}
+	if _, ok := l.pos["weight_transfer.gpu_start_timeout"]; ok && !l.bad["weight_transfer.gpu_start_timeout"] && wt.GPUStartTimeout < MinGPUStartTimeout {
+		l.errPath("weight_transfer.gpu_start_timeout", "must be at least %s, got %s: a shorter wait takes a busy GPU worker for dead", MinGPUStartTimeout, wt.GPUStartTimeout)
+	}
+	for i, s := range l.p.Steps {
+		if s.TaskQueue != "" && slices.Contains(GPUStepTypes, s.Uses) {
+			l.errPath(indexPath("steps", i)+".task_queue", "%s steps run on the GPU worker acquired for them with backend nccl; remove task_queue (set weight_transfer.gpu_task_queue to choose the GPU pool)", s.Uses)
+		}
+	}
 }
 
 func (l *loader) checkLoop() {

@@ -25,6 +25,10 @@ type stepRun struct {
 	result StepResult
 	future workflow.Future
 	cancel workflow.CancelFunc
+	// gpu marks a step routed to a GPU worker; attempts is then the
+	// interpreter's own attempt count (see runGPU).
+	gpu      bool
+	attempts int
 }
 
 // Iteration runs one pass over the pipeline's DAG. It fails with the first
@@ -35,7 +39,11 @@ func Iteration(ctx workflow.Context, in IterationInput) (*IterationResult, error
 	if in.Spec == nil {
 		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", "BadInput", nil)
 	}
-	it := &interpreter{in: in, paused: in.Paused}
+	servers, err := in.Spec.ServersFor(in.Params)
+	if err != nil {
+		return nil, temporal.NewNonRetryableApplicationError(err.Error(), "BadInput", nil)
+	}
+	it := &interpreter{in: in, paused: in.Paused, servers: servers, gpu: newGPURouting(ctx, in)}
 	for i := range in.Spec.Steps {
 		s := &in.Spec.Steps[i]
 		it.order = append(it.order, s.ID)
@@ -55,6 +63,8 @@ type interpreter struct {
 	failed    error // first real step failure
 	cancelled bool
 	running   int
+	gpu       *gpuRouting        // nil: no GPU routing (disk backend, or recorded before it)
+	servers   []pipelines.Server // URLs rendered from the params
 }
 
 func (it *interpreter) byID(id string) *stepRun {
@@ -74,6 +84,7 @@ func (it *interpreter) progress() (Progress, error) {
 	if it.failed != nil {
 		p.LastError = it.failed.Error()
 	}
+	p.GPUHost = it.gpuHost()
 	return p, nil
 }
 
@@ -137,7 +148,7 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 			it.waitWhilePaused(ctx, pauseCh, resumeCh)
 		}
 	}
-	res := &IterationResult{Iteration: it.in.Iteration}
+	res := &IterationResult{Iteration: it.in.Iteration, GPUHost: it.gpuHost()}
 	for _, r := range it.runs {
 		res.Steps = append(res.Steps, r.result)
 	}
@@ -281,9 +292,15 @@ func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipel
 	spec := it.in.Spec
 	args[pipelines.ContextArg] = pipelines.StepContext{
 		Pipeline: spec.Name, RunID: it.in.RunID, Iteration: it.in.Iteration, StepID: s.ID,
-		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: spec.Servers, WeightTransfer: spec.WeightTransfer,
+		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: it.servers, WeightTransfer: spec.WeightTransfer,
 	}
 	opts := activityOptions(spec, s)
+	if it.isGPUStep(s) {
+		it.startGPU(actCtx, r, args, opts)
+		r.result.Status = StatusRunning
+		it.running++
+		return nil
+	}
 	cctx, cancel := workflow.WithCancel(actCtx)
 	cctx = workflow.WithActivityOptions(cctx, opts)
 	r.future = workflow.ExecuteActivity(cctx, s.Uses, args)
@@ -298,6 +315,10 @@ func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Futur
 	r.cancel()
 	var out map[string]any
 	err := f.Get(ctx, &out)
+	if r.gpu {
+		// Each execution of a routed step is a first attempt to Temporal.
+		defer func() { r.result.Attempts = r.attempts }()
+	}
 	if err == nil {
 		r.result.Status = StatusSucceeded
 		r.result.Outputs, r.result.Attempts = splitMeta(out)
@@ -309,10 +330,13 @@ func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Futur
 		r.result.Error = "cancelled"
 		return
 	}
-	// err is an ActivityError; its cause carries the activity's own message.
-	cause := errors.Unwrap(err)
-	if cause == nil {
-		cause = err
+	// An ActivityError's cause carries the activity's own message; a GPU
+	// step's own errors (runGPU) already say what happened.
+	cause := err
+	if ae, ok := err.(*temporal.ActivityError); ok {
+		if c := errors.Unwrap(ae); c != nil {
+			cause = c
+		}
 	}
 	it.fail(r, cause)
 }
@@ -391,4 +415,13 @@ func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.Activity
 		// step (resume vLLM) never starts while a cancelled one still runs.
 		WaitForCancellation: true,
 	}
+}
+
+// gpuHost is a copy of the iteration's current GPU worker, if any.
+func (it *interpreter) gpuHost() *GPUHost {
+	if it.gpu == nil || it.gpu.host == nil {
+		return nil
+	}
+	h := *it.gpu.host
+	return &h
 }

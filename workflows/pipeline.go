@@ -39,6 +39,10 @@ func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
 	}
 	in.Params = params
+	if _, err := spec.ServersFor(params); err != nil {
+		// Fail at launch, not in the first step that calls a server.
+		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
+	}
 
 	r := &pipelineRun{in: in, status: StatusRunning}
 	if err := workflow.SetQueryHandler(ctx, QueryProgress, r.progress); err != nil {
@@ -123,7 +127,7 @@ type pipelineRun struct {
 func (r *pipelineRun) progress() (Progress, error) {
 	return Progress{
 		Pipeline: r.in.Spec.Name, Iteration: r.iteration, IterationsDone: r.done,
-		Paused: r.in.Paused, Status: r.status, Child: r.child, LastError: r.lastError,
+		Paused: r.in.Paused, Status: r.status, Child: r.child, LastError: r.lastError, GPUHost: r.in.GPUHost,
 	}, nil
 }
 
@@ -190,6 +194,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 	})
 	fut := workflow.ExecuteChildWorkflow(cctx, IterationWorkflow, IterationInput{
 		Spec: r.in.Spec, Params: r.in.Params, Iteration: iter, RunID: info.WorkflowExecution.ID, Paused: r.in.Paused,
+		GPUHost: r.in.GPUHost,
 	})
 	var res IterationResult
 	var err error
@@ -207,6 +212,11 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 			fut.SignalChildWorkflow(ctx, SignalResume, nil)
 		})
 		sel.Select(ctx)
+	}
+	if err == nil {
+		// The next iteration (and the next run, after continue-as-new)
+		// reuses this worker and its transfer group.
+		r.in.GPUHost = res.GPUHost
 	}
 	sum := IterationSummary{Iteration: iter, WorkflowID: id, Status: StatusSucceeded, Outputs: map[string]map[string]any{}}
 	for _, s := range res.Steps {

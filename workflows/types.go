@@ -13,6 +13,8 @@
 package workflows
 
 import (
+	"time"
+
 	"github.com/rlflow/rlflow/pipelines"
 	"go.temporal.io/sdk/temporal"
 )
@@ -72,6 +74,9 @@ type PipelineInput struct {
 	NextIteration int                `json:"next_iteration,omitempty"`
 	Paused        bool               `json:"paused,omitempty"`
 	Recent        []IterationSummary `json:"recent,omitempty"`
+	// GPUHost is the GPU worker the last iteration's transfer steps ran on
+	// (nccl only): the next iteration starts there, reusing its group.
+	GPUHost *GPUHost `json:"gpu_host,omitempty"`
 }
 
 // PipelineResult is the outcome of a finished run.
@@ -91,12 +96,19 @@ type IterationInput struct {
 	// lets steps group state (a transfer group) per pipeline run.
 	RunID  string `json:"run_id"`
 	Paused bool   `json:"paused,omitempty"`
+	// GPUHost is the GPU worker acquired by an earlier iteration (nccl
+	// only); nil means acquire one before the first GPU step.
+	GPUHost *GPUHost `json:"gpu_host,omitempty"`
 }
 
 // IterationResult lists every step's final state, in file order.
 type IterationResult struct {
 	Iteration int          `json:"iteration"`
 	Steps     []StepResult `json:"steps"`
+	// GPUHost is the GPU worker the next iteration should use: the one the
+	// last GPU step succeeded on (or the input's, when none ran); nil when
+	// the routing is off or the host was lost and not replaced.
+	GPUHost *GPUHost `json:"gpu_host,omitempty"`
 }
 
 // IterationSummary is what the parent keeps of a finished iteration: small.
@@ -128,6 +140,9 @@ type StepResult struct {
 	Attempts int    `json:"attempts,omitempty"`
 	Error    string `json:"error,omitempty"`
 	Reason   string `json:"reason,omitempty"` // why a step was skipped
+	// GPUHost is the GPU worker a routed step runs (or last ran) on; a step
+	// that moved to another worker after a loss shows the last one.
+	GPUHost *GPUHost `json:"gpu_host,omitempty"`
 }
 
 // Progress answers QueryProgress.
@@ -141,6 +156,8 @@ type Progress struct {
 	Child          string       `json:"child,omitempty"` // running iteration's workflow id
 	Steps          []StepResult `json:"steps,omitempty"` // iteration workflows only
 	LastError      string       `json:"last_error,omitempty"`
+	// GPUHost is the GPU worker the run's transfer steps use (nccl only).
+	GPUHost *GPUHost `json:"gpu_host,omitempty"`
 }
 
 // GPU routing. With weight_transfer.backend nccl, init_transfer and
@@ -154,9 +171,48 @@ const (
 	DefaultGPUTaskQueue = "rlflow-gpu"
 )
 
+// ErrTypeGPUWorkerLost is the ApplicationError type a GPU activity returns
+// when it finds that its worker can no longer serve the run (its device or
+// communicator is gone): the interpreter then treats the step as it treats
+// a ScheduleToStart or heartbeat timeout on the host queue, acquiring
+// another GPU worker and retrying there. ErrTypeGPUUnavailable fails a step
+// when no GPU worker could be acquired within the bounds below.
+const (
+	ErrTypeGPUWorkerLost  = "GPUWorkerLost"
+	ErrTypeGPUUnavailable = "GPUUnavailable"
+)
+
+// GPU routing bounds.
+//
+// A GPU step waits DefaultGPUStartTimeout (weight_transfer.gpu_start_timeout)
+// on its worker's host queue: nobody polls a dead worker's queue, so the
+// ScheduleToStart timeout is how the interpreter notices the loss. A GPU
+// step that sets no heartbeat gets DefaultGPUHeartbeat, so a worker dying
+// mid-step is noticed in seconds, not after the step's 2h timeout; GPU
+// activities must therefore heartbeat more often than that.
+//
+// Acquiring waits GPUAcquireWait per attempt on the shared GPU queue (a
+// ScheduleToStart timeout, which Temporal never retries, so the
+// interpreter does) for up to GPUAcquireAttempts attempts: 15 minutes for
+// an operator to start or restart a GPU worker before the step fails
+// with ErrTypeGPUUnavailable. Waiting on a queue costs no resources, only
+// two history events per minute.
+const (
+	DefaultGPUStartTimeout = 30 * time.Second
+	DefaultGPUHeartbeat    = 30 * time.Second
+	GPUAcquireWait         = time.Minute
+	GPUAcquireAttempts     = 15
+	// GPUAcquireRunTimeout bounds gpu_acquire once a worker picked it up: it
+	// only answers with its queue name.
+	GPUAcquireRunTimeout = 30 * time.Second
+)
+
 // GPUAcquireInput asks a GPU worker for its host-specific task queue.
 type GPUAcquireInput struct {
 	RunID string `json:"run_id"`
+	// Lost is the host queue that stopped answering, when this acquire
+	// replaces a lost worker (informational: the dead worker cannot answer).
+	Lost string `json:"lost,omitempty"`
 }
 
 // GPUHost is a GPU worker's answer to AcquireGPUActivity.

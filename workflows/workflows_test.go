@@ -428,3 +428,24 @@ func TestActivityOptionsFromYAML(t *testing.T) {
 }
 
 func defaultConverter() converter.DataConverter { return converter.GetDefaultDataConverter() }
+
+func TestServerURLsRenderedFromParams(t *testing.T) {
+	p := spec(step("gen"))
+	p.Params = []pipelines.Param{{Name: "vllm", Type: pipelines.ParamString, Default: "http://localhost:8000"}}
+	p.Servers = []pipelines.Server{{URL: "${{ params.vllm }}", API: "C"}, {URL: "http://fixed:9000"}}
+
+	f := newFake()
+	env := newEnv(t, f)
+	env.ExecuteWorkflow(PipelineWorkflow, PipelineInput{Spec: p, Params: map[string]any{"vllm": "http://gpu-node-3:8000"}})
+	require.NoError(t, env.GetWorkflowError())
+	servers := f.seen["gen"][pipelines.ContextArg].(map[string]any)["servers"].([]any)
+	assert.Equal(t, "http://gpu-node-3:8000", servers[0].(map[string]any)["url"])
+	assert.Equal(t, "C", servers[0].(map[string]any)["api"])
+	assert.Equal(t, "http://fixed:9000", servers[1].(map[string]any)["url"])
+
+	env = newEnv(t, newFake())
+	env.ExecuteWorkflow(PipelineWorkflow, PipelineInput{Spec: p, Params: map[string]any{"vllm": "gpu-node-3:8000"}})
+	err := env.GetWorkflowError()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `params: servers[0].url: URL "gpu-node-3:8000" must start with http:// or https://`)
+}
