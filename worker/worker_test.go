@@ -13,7 +13,9 @@ type recorder struct{ names map[string]bool }
 
 func (r *recorder) RegisterActivity(any) { panic("register by name") }
 
-func (r *recorder) RegisterActivityWithOptions(_ any, o activity.RegisterOptions) { r.names[o.Name] = true }
+func (r *recorder) RegisterActivityWithOptions(_ any, o activity.RegisterOptions) {
+	r.names[o.Name] = true
+}
 
 func (r *recorder) RegisterDynamicActivity(any, activity.DynamicRegisterOptions) {
 	panic("no dynamic activities")
