@@ -641,6 +641,9 @@ func resumePartial(path, fingerprint string, set *promptSet, n int) (*partialFil
 	return pw, len(pw.blocks), nil
 }
 
+// maxUnsynced bounds the finished prompts the writer holds before an fsync.
+const maxUnsynced = 256
+
 // block is one finished prompt's rows.
 type block struct {
 	idx  int
@@ -673,7 +676,9 @@ func (pw *partialFile) writeAll(blocks <-chan block, durable *atomic.Int64, fail
 			pw.off += int64(len(b.data))
 			unsynced++
 		}
-		if len(blocks) == 0 {
+		// Under a steady stream the channel is rarely empty: bound what
+		// a crash could lose anyway.
+		if len(blocks) == 0 || unsynced >= maxUnsynced {
 			sync()
 		}
 		if werr != nil {
