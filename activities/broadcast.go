@@ -129,20 +129,6 @@ func (a *Activities) diskInitialized(sc pipelines.StepContext) bool {
 	return a.diskInit[group(BackendDisk, sc)]
 }
 
-// fleetError collects per-server errors into a *vllm.FleetError, or nil.
-func fleetError(op string, f vllm.Fleet, errs []error) error {
-	fe := &vllm.FleetError{Op: op, Total: len(f)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: f[i].URL(), Err: err})
-		}
-	}
-	if len(fe.Failed) == 0 {
-		return nil
-	}
-	return fe
-}
-
 // Broadcast sends a checkpoint to every server: through Deps.NCCL for
 // nccl; for disk, by handing each server the checkpoint's absolute
 // directory in one update session.

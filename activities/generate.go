@@ -176,7 +176,7 @@ func (a *Activities) newGenRun(ctx context.Context, step string, in *GenerateInp
 	case in.Temperature != nil && !(*in.Temperature >= 0):
 		return nil, badInput(ctx, "%s: temperature %v must not be negative", step, *in.Temperature)
 	case !(in.TopP >= 0 && in.TopP <= 1):
-		return nil, badInput(ctx, "%s: top_p %v, want (0, 1]", step, in.TopP)
+		return nil, badInput(ctx, "%s: top_p %v, want (0, 1] (0 or unset: the server's default)", step, in.TopP)
 	case in.Logprobs < 0:
 		return nil, badInput(ctx, "%s: logprobs %d must not be negative", step, in.Logprobs)
 	case in.Concurrency < 0 || in.Concurrency > MaxConcurrency:
@@ -254,14 +254,8 @@ func (g *genRun) prepare(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
-	fe := &vllm.FleetError{Op: "prepare", Total: len(g.fleet)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: g.fleet[i].URL(), Err: err})
-		}
-	}
-	if len(fe.Failed) > 0 {
-		return serverError(ctx, fe, "%s: asking the servers for their model and weight version", g.step)
+	if err := fleetError("prepare", g.fleet, errs); err != nil {
+		return serverError(ctx, err, "%s: asking the servers for their model and weight version", g.step)
 	}
 	return nil
 }
