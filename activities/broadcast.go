@@ -84,6 +84,7 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 		return nil, err
 	}
 	if backend == BackendNCCL {
+		// The NCCL path heartbeats itself (with its own details).
 		out, err := a.NCCL.Init(ctx, in, f)
 		if err != nil {
 			return nil, transferError(ctx, "init_transfer", err)
@@ -93,6 +94,7 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 	if in.MasterAddress != "" || in.MasterPort != 0 {
 		return nil, badInput(ctx, "init_transfer: master_address and master_port are for the nccl backend; the disk backend has no rendezvous")
 	}
+	defer a.keepHeartbeating(ctx)()
 	topo, err := f.WorldSizes(ctx)
 	if err != nil {
 		return nil, serverError(ctx, err, "init_transfer")
@@ -205,8 +207,7 @@ func (a *Activities) broadcastDisk(ctx context.Context, in BroadcastInput, f vll
 	if version == "" {
 		version = fmt.Sprintf("%s/iter-%d", sc.RunID, sc.Iteration)
 	}
-	stop := a.keepHeartbeating(ctx)
-	defer stop()
+	defer a.keepHeartbeating(ctx)()
 	initialized := false
 	if !a.diskInitialized(sc) {
 		if err := a.initDisk(ctx, sc, f); err != nil {

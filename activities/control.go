@@ -77,6 +77,8 @@ func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, 
 	if err != nil {
 		return nil, err
 	}
+	// mode wait lasts as long as the longest request in flight.
+	defer a.keepHeartbeating(ctx)()
 	if err := f.PauseAll(ctx, mode); err != nil {
 		return nil, serverError(ctx, err, "pause (mode %s)", mode)
 	}
