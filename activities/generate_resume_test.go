@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -194,4 +195,51 @@ func TestGenerateRetriesAbortedSamples(t *testing.T) {
 	for p, n := range d.Stats().Prompts {
 		assert.Equal(t, 4, n, "prompt %q: 2 samples, each sent twice", p)
 	}
+}
+
+// A partial file is only resumed by a retry of the same step with the same
+// inputs: a first attempt starts over, and so does a retry whose sampling
+// parameters changed.
+func TestGenerateResumesOnlyItsOwnPartial(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	a := newActivities(t)
+	sc := stepContext(t, "rollout", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(4)...), MaxTokens: 4}
+	g := mustGenRun(t, a, in)
+	partial := g.output + ".partial"
+	require.NoError(t, os.MkdirAll(filepath.Dir(partial), 0o755))
+	full := fmt.Sprintf(`{"rlflow_partial":1,"fingerprint":%q}`+"\n", g.fingerprint)
+	for i := range 4 {
+		full += fmt.Sprintf(`{"prompt_id":"p%d","sample":0,"text":"from the partial","completion_tokens":1}`+"\n", i)
+	}
+	run := func(in GenerateInput, heartbeat bool) *GenerateOutput {
+		require.NoError(t, os.WriteFile(partial, []byte(full), 0o644))
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestActivityEnvironment()
+		env.RegisterActivity(a.Generate)
+		if heartbeat {
+			env.SetHeartbeatDetails(GenerateProgress{Partial: partial, Done: 4, Total: 4})
+		}
+		val, err := env.ExecuteActivity(a.Generate, in)
+		require.NoError(t, err)
+		var out GenerateOutput
+		require.NoError(t, val.Get(&out))
+		return &out
+	}
+
+	out := run(in, true)
+	assert.Equal(t, 4, out.Resumed, "a retry resumes its own partial")
+	assert.Zero(t, d.Stats().Completions)
+	assert.Equal(t, "from the partial", readRollouts(t, out.Path)[0].Text)
+
+	out = run(in, false)
+	assert.Zero(t, out.Resumed, "a first attempt never trusts a partial left behind")
+	assert.Equal(t, 4, d.Stats().Completions)
+
+	greedy := in
+	greedy.Temperature = new(float64)
+	out = run(greedy, true)
+	assert.Zero(t, out.Resumed, "other sampling parameters: start over")
+	assert.Equal(t, 8, d.Stats().Completions)
+	assert.NotEqual(t, "from the partial", readRollouts(t, out.Path)[0].Text)
 }
