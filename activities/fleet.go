@@ -98,8 +98,9 @@ func serverError(ctx context.Context, err error, format string, args ...any) err
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	msg := fmt.Sprintf(format, args...)
-	return stepError(ctx, classify(err), err, "%s: %v", msg, err)
+	// The cause's text follows the message in the error's text (and in the
+	// Temporal UI): the message only says which step and which call failed.
+	return stepError(ctx, classify(err), err, format, args...)
 }
 
 // classify returns ErrTypeServerRejected when err is final: every failed

@@ -296,7 +296,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Dir(g.output), 0o755); err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "%s: creating the output dir: %v", g.step, err)
+		return nil, stepError(ctx, ErrTypeIO, err, "%s: creating the output dir", g.step)
 	}
 	pw, resumed, err := g.openPartial(ctx)
 	if err != nil {
@@ -322,7 +322,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 	go func() {
 		writerErr <- pw.writeAll(blocks, &durable, func(err error) {
 			// Stop generating what cannot be written.
-			cancel(stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, pw.path, err))
+			cancel(stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, pw.path))
 		})
 	}()
 	stopHB := g.heartbeat(ctx, pw.path, &durable, total)
@@ -341,7 +341,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 				if r.p.left.Add(-1) == 0 {
 					b, err := encodeBlock(r.p.rows)
 					if err != nil {
-						cancel(stepError(ctx, ErrTypeIO, err, "%s: encoding prompt %s: %v", g.step, r.p.rows[0].PromptID, err))
+						cancel(stepError(ctx, ErrTypeIO, err, "%s: encoding prompt %s", g.step, r.p.rows[0].PromptID))
 						continue
 					}
 					select {
@@ -380,12 +380,12 @@ feed:
 		return nil, cause
 	}
 	if werr != nil {
-		return nil, stepError(ctx, ErrTypeIO, werr, "%s: writing %s: %v", g.step, pw.path, werr)
+		return nil, stepError(ctx, ErrTypeIO, werr, "%s: writing %s", g.step, pw.path)
 	}
 	elapsed := time.Since(start)
 	res, err := pw.assemble(g.output, g.set, g.n)
 	if err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, g.output, err)
+		return nil, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, g.output)
 	}
 	pw.f.Close()
 	_ = os.Remove(pw.path)
@@ -560,13 +560,13 @@ func (g *genRun) openPartial(ctx context.Context) (*partialFile, int, error) {
 	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
 	if err != nil {
-		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: creating %s: %v", g.step, path, err)
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: creating %s", g.step, path)
 	}
 	hdr, _ := json.Marshal(partialHeader{Partial: 1, Fingerprint: g.fingerprint})
 	hdr = append(hdr, '\n')
 	if _, err := f.Write(hdr); err != nil {
 		f.Close()
-		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, path, err)
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, path)
 	}
 	return &partialFile{path: path, f: f, off: int64(len(hdr)), blocks: map[int][2]int64{}}, 0, nil
 }
