@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -549,8 +550,19 @@ func (g *genRun) openPartial(ctx context.Context) (*partialFile, int, error) {
 			activity.GetLogger(ctx).Warn("the earlier attempt's partial file is elsewhere; resuming from this one", "earlier", hb.Partial, "partial", path)
 		}
 	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: opening %s", g.step, path)
+	}
+	// One attempt at a time: a retry that starts while an earlier attempt
+	// still runs (its worker cut off past the heartbeat timeout) must not
+	// interleave its writes with it. The lock goes with the file's close.
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: %s is locked by another attempt of this step that still runs (it stops at its next heartbeat)", g.step, path)
+	}
 	if retry {
-		pw, n, err := resumePartial(path, g.fingerprint, g.set, g.n)
+		pw, n, err := resumePartial(f, path, g.fingerprint, g.set, g.n)
 		if err == nil {
 			return pw, n, nil
 		}
@@ -558,35 +570,36 @@ func (g *genRun) openPartial(ctx context.Context) (*partialFile, int, error) {
 			activity.GetLogger(ctx).Warn("not resuming: starting the step's samples again", "partial", path, "reason", err.Error())
 		}
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
-	if err != nil {
-		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: creating %s", g.step, path)
-	}
 	hdr, _ := json.Marshal(partialHeader{Partial: 1, Fingerprint: g.fingerprint})
 	hdr = append(hdr, '\n')
-	if _, err := f.Write(hdr); err != nil {
+	if err := f.Truncate(0); err == nil {
+		_, err = f.WriteAt(hdr, 0)
+	}
+	if err != nil {
+		f.Close()
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, path)
+	}
+	if _, err := f.Seek(int64(len(hdr)), io.SeekStart); err != nil {
 		f.Close()
 		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, path)
 	}
 	return &partialFile{path: path, f: f, off: int64(len(hdr)), blocks: map[int][2]int64{}}, 0, nil
 }
 
-// resumePartial reads a partial file: its complete prompt blocks count as
-// done; a torn or foreign tail (a crash mid-write) is cut off.
-func resumePartial(path, fingerprint string, set *promptSet, n int) (*partialFile, int, error) {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
+// resumePartial reads the open partial file f: its complete prompt blocks
+// count as done; a torn or foreign tail (a crash mid-write) is cut off.
+// On error the caller still owns f.
+func resumePartial(f *os.File, path, fingerprint string, set *promptSet, n int) (*partialFile, int, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, 0, err
 	}
 	br := bufio.NewReaderSize(f, 1<<20)
 	first, err := br.ReadBytes('\n')
 	var hdr partialHeader
 	if err != nil || json.Unmarshal(first, &hdr) != nil || hdr.Partial != 1 {
-		f.Close()
 		return nil, 0, fmt.Errorf("%s has no partial-file header", path)
 	}
 	if hdr.Fingerprint != fingerprint {
-		f.Close()
 		return nil, 0, fmt.Errorf("%s was made from other inputs (prompts or sampling parameters changed)", path)
 	}
 	index := make(map[string]int, len(set.prompts))
@@ -624,11 +637,9 @@ func resumePartial(path, fingerprint string, set *promptSet, n int) (*partialFil
 		}
 	}
 	if err := f.Truncate(good); err != nil {
-		f.Close()
 		return nil, 0, err
 	}
 	if _, err := f.Seek(good, io.SeekStart); err != nil {
-		f.Close()
 		return nil, 0, err
 	}
 	pw.off = good
