@@ -30,6 +30,11 @@ type Options struct {
 	// CleanupTimeout bounds the wait for in-flight copies before buffers
 	// are freed after a failure (default 30s).
 	CleanupTimeout time.Duration
+	// Progress, if set, is called on Broadcast's goroutine each time a
+	// broadcast is known to have completed, with the bytes of this run's
+	// chunks completed so far: what a caller heartbeats while a long
+	// transfer runs. It must not block.
+	Progress func(sent int64)
 }
 
 func (o Options) withDefaults() Options {
@@ -278,6 +283,13 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			p.drain(dev, comm, err)
 		}
 	}()
+	var sent int64
+	progress := func(k int) {
+		sent += chunks[k].Bytes
+		if p.opts.Progress != nil {
+			p.opts.Progress(sent)
+		}
+	}
 
 	start := time.Now()
 	for k, c := range chunks {
@@ -327,6 +339,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 				return res, fail("waiting for the broadcast of chunk "+fmt.Sprint(k-n+1), err)
 			}
 			res.Broadcast += elapsed(p.bStart[slot], p.bDone[slot])
+			progress(k - n)
 		}
 		o := nccl.Order{After: p.h2dDone[slot], Start: p.bStart[slot], Done: p.bDone[slot]}
 		if err := comm.BroadcastAsync(ctx, p.devb[slot], c.Count, c.DType, o); err != nil {
@@ -345,6 +358,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 				return res, fmt.Errorf("staging: chunk %d of %d: broadcast: %w", k+1, len(chunks), err)
 			}
 			res.Broadcast += elapsed(p.bStart[slot], p.bDone[slot])
+			progress(k)
 		}
 	}
 	res.Wall = time.Since(start)
