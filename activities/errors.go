@@ -28,6 +28,8 @@ const (
 	ErrTypeExit            = "ExitError"       // retryable: exec's command exited non-zero
 	ErrTypeSignal          = "Signaled"        // retryable: exec's command was killed by a signal
 	ErrTypeIO              = "IOError"         // retryable: local file or process trouble
+	ErrTypeNCCL            = "NCCLError"       // retryable: the NCCL group failed or was lost; the next attempt re-initialises it
+	ErrTypeServer          = "ServerError"     // retryable: a vLLM server refused a call or did not answer
 )
 
 // NonRetryable lists the error types every step treats as final.
@@ -55,6 +57,12 @@ func stepError(ctx context.Context, errType string, cause error, format string, 
 		Cause:        cause,
 		Details:      []any{pipelines.AttemptDetail{Attempt: attempt}},
 	})
+}
+
+// StepError is stepError for step implementations outside this package
+// (package gpu implements the NCCL transfer steps behind NCCLTransfer).
+func StepError(ctx context.Context, errType string, cause error, format string, args ...any) error {
+	return stepError(ctx, errType, cause, format, args...)
 }
 
 // badInput is the error for arguments that can never work.

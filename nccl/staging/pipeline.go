@@ -179,6 +179,16 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 // BufferBytes is the capacity of each buffer.
 func (p *Pipeline) BufferBytes() int64 { return p.size }
 
+// Err is non-nil once a failure left copies that could not be drained: the
+// pipeline then refuses every run and should be closed and replaced. Call it
+// between runs, not during one.
+func (p *Pipeline) Err() error {
+	if p.broken != nil {
+		return fmt.Errorf("staging: pipeline unusable: %w", p.broken)
+	}
+	return nil
+}
+
 // Close frees every resource. After a failure whose copies could not be
 // drained it frees only what cannot be in use (the device memory is then
 // leaked on purpose: cudaFree would wait on the stuck work).
