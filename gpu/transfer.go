@@ -110,8 +110,21 @@ type group struct {
 
 	// What heartbeats read while an operation holds mu.
 	statMu sync.Mutex
-	inits  int   // successful initialisations of this group
-	sent   int64 // bytes of the running broadcast known to be on the wire
+	inits  int    // successful initialisations of this group
+	sent   int64  // bytes of the running broadcast known to be on the wire
+	phase  string // "init" or "broadcast"
+}
+
+func (g *group) setPhase(p string) {
+	g.statMu.Lock()
+	g.phase = p
+	g.statMu.Unlock()
+}
+
+func (g *group) progress(total int64) Progress {
+	g.statMu.Lock()
+	defer g.statMu.Unlock()
+	return Progress{Phase: g.phase, Group: fmt.Sprintf("%s#%d", g.key, g.inits), BytesSent: g.sent, BytesTotal: total}
 }
 
 func (g *group) name() string {
@@ -411,7 +424,7 @@ func (t *Transfer) Init(ctx context.Context, in activities.InitTransferInput, fl
 	key, urls := groupKey(in.Context, fleet)
 	g := t.acquire(key, urls)
 	defer g.mu.Unlock()
-	stop := t.heartbeats(ctx, func() Progress { return Progress{Phase: "init", Group: key} })
+	stop := t.heartbeats(ctx, func() Progress { return g.progress(0) })
 	defer stop()
 	if err := t.init(ctx, g, fleet, packingOf(wt), master, in.MasterPort, in.Timeout.D()); err != nil {
 		return nil, err
@@ -421,6 +434,7 @@ func (t *Transfer) Init(ctx context.Context, in activities.InitTransferInput, fl
 
 // init runs on a locked group.
 func (t *Transfer) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packing, master string, port int, timeout time.Duration) error {
+	g.setPhase("init")
 	g.dropComm(fmt.Errorf("gpu: group %s is being re-initialised", g.key))
 	t.retireOverlapping(g)
 	if timeout <= 0 {
@@ -551,9 +565,7 @@ func (t *Transfer) Broadcast(ctx context.Context, in activities.BroadcastInput, 
 	defer g.mu.Unlock()
 	total := u.Bytes()
 	g.setSent(0)
-	stop := t.heartbeats(ctx, func() Progress {
-		return Progress{Phase: "broadcast", Group: g.name(), BytesSent: g.bytesSent(), BytesTotal: total}
-	})
+	stop := t.heartbeats(ctx, func() Progress { return g.progress(total) })
 	defer stop()
 
 	initialized := false
@@ -584,7 +596,8 @@ func (t *Transfer) Broadcast(ctx context.Context, in activities.BroadcastInput, 
 		CheckpointBytes: total,
 	}
 	start := time.Now()
-	res, err := t.update(ctx, g, fleet, ck, u, info, version, timeout)
+	g.setPhase("broadcast")
+	res, err := t.update(ctx, g, fleet, ck, u, info, version, timeout, initialized)
 	took := time.Since(start)
 	if p := g.pipe; p != nil && p.Err() != nil {
 		g.closePipe()

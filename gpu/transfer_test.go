@@ -701,3 +701,34 @@ func TestHealthInHeartbeatsAndMemoryCheck(t *testing.T) {
 		t.Fatalf("got %v, want the free-memory check", err)
 	}
 }
+
+// A server left mid-update by a trainer that is gone (its session still
+// open) does not make every later attempt fail on "already open": a fresh
+// group closes the stale session and starts again.
+func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true}})
+	ctx := e.ctx()
+	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil { // the dead trainer's session
+		t.Fatal(err)
+	}
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	out, err := e.broadcast(ctx, path, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !out.Initialized || e.servers[0].WeightVersion() != out.Version {
+		t.Fatalf("%+v, server version %q", out, e.servers[0].WeightVersion())
+	}
+	if n := e.requests(0, "POST /start_weight_update"); n != 3 {
+		t.Fatalf("%d starts, want 3 (the stale one, the refused one, the retry)", n)
+	}
+	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
+	// On a group that was already in use, an open session is not ours to
+	// close: the attempt fails.
+	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.broadcast(ctx, path, 2, nil); err == nil || !strings.Contains(err.Error(), "already open") {
+		t.Fatalf("got %v, want the server's refusal", err)
+	}
+}

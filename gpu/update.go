@@ -25,8 +25,13 @@ var errServerFailed = errors.New("aborted because a server failed")
 // fails first stops the other: an HTTP failure aborts the communicator
 // (NCCL would otherwise wait forever for ranks that are not receiving), an
 // NCCL failure cancels the HTTP calls.
+//
+// fresh says the group was (re)initialised by this attempt: an update
+// session a server already has open then belongs to a trainer that is
+// gone (a killed GPU worker, a lost group), so it is closed and the start
+// retried once instead of failing every attempt on "already open".
 func (t *Transfer) update(ctx context.Context, g *group, fleet vllm.Fleet, ck *safetensors.Checkpoint, u staging.Update,
-	info vllm.UpdateInfo, version string, timeout time.Duration) (staging.Result, error) {
+	info vllm.UpdateInfo, version string, timeout time.Duration, fresh bool) (staging.Result, error) {
 	uctx, cancel := context.WithTimeoutCause(ctx, timeout, fmt.Errorf("the update did not complete within %v (update_timeout)", timeout))
 	defer cancel()
 	hctx, hcancel := context.WithCancelCause(uctx)
@@ -45,6 +50,12 @@ func (t *Transfer) update(ctx context.Context, g *group, fleet vllm.Fleet, ck *s
 	for i, c := range fleet {
 		wg.Go(func() {
 			err := c.StartWeightUpdate(hctx)
+			var ve *vllm.Error
+			if err != nil && fresh && errors.As(err, &ve) && ve.Status >= 500 {
+				if c.FinishWeightUpdate(hctx, "") == nil {
+					err = c.StartWeightUpdate(hctx)
+				}
+			}
 			if err == nil {
 				opened[i] = true
 				err = c.UpdateWeights(hctx, info)
