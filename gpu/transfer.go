@@ -485,9 +485,7 @@ func (t *Transfer) init(ctx context.Context, g *group, fleet vllm.Fleet, pk pack
 		MasterAddress: master, MasterPort: port, WorldSize: topo.WorldSize, Device: t.cfg.Device, Comm: t.cfg.Comm,
 	}, t.cfg.API, initAll)
 	if err != nil {
-		if ctx.Err() == nil && ictx.Err() != nil {
-			err = fmt.Errorf("%w: %w", context.Cause(ictx), err)
-		}
+		// Rendezvous names the init deadline (ictx's cause) itself.
 		return transportError(ctx, err, "gpu: init %s (world size %d)%s", g.key, topo.WorldSize, t.healthNote())
 	}
 	g.comm, g.topo, g.gens, g.master, g.packing = comm, topo, gens, master, pk

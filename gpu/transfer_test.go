@@ -34,6 +34,9 @@ import (
 // and hands the double only the tensor its bigram model has.
 type receiver struct {
 	f *nccl.Fake
+	// stall makes Init wait for its context instead of joining: a worker
+	// that reached the store but never joins NCCL.
+	stall bool
 
 	mu      sync.Mutex
 	comms   []*nccl.Comm
@@ -54,6 +57,10 @@ func (r *receiver) closeComms() {
 
 func (r *receiver) Init(ctx context.Context, in double.NCCLInit) error {
 	r.closeComms()
+	if r.stall {
+		<-ctx.Done()
+		return ctx.Err()
+	}
 	var id nccl.UniqueID
 	copy(id[:], in.UniqueID)
 	comms := make([]*nccl.Comm, len(in.Ranks))
@@ -730,5 +737,49 @@ func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 	}
 	if _, err := e.broadcast(ctx, path, 2, nil); err == nil || !strings.Contains(err.Error(), "already open") {
 		t.Fatalf("got %v, want the server's refusal", err)
+	}
+}
+
+func TestInitDeadlineWhenAWorkerNeverJoins(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}})
+	e.servers[1].rcv.stall = true
+	start := time.Now()
+	_, err := e.tr.Init(e.ctx(), activities.InitTransferInput{Context: e.sc, Timeout: pipelines.Duration(300 * time.Millisecond)}, e.fleet)
+	took := time.Since(start)
+	if err == nil || !isRetryable(err) || !strings.Contains(err.Error(), "init did not complete within 300ms") {
+		t.Fatalf("got %v, want a retryable error naming the init deadline", err)
+	}
+	if took > 5*time.Second {
+		t.Fatalf("init gave up after %v", took)
+	}
+	t.Logf("error after %v: %v", took, err)
+	// The half-built group is not kept: the next broadcast initialises.
+	e.servers[1].rcv.stall = false
+	out, err := e.broadcast(e.ctx(), writeCheckpoint(t, t.TempDir(), 1), 1, nil)
+	if err != nil || !out.Initialized {
+		t.Fatalf("%+v %v", out, err)
+	}
+}
+
+func TestAnotherRunOnTheSameServersRetiresTheGroup(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}})
+	ctx := e.ctx()
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	if _, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet); err != nil {
+		t.Fatal(err)
+	}
+	// Run 2 takes the server over: vLLM keeps one communicator, so run 1's
+	// group is dead and must not be used again.
+	other := e.sc
+	other.RunID = "run-2"
+	if _, err := e.tr.Broadcast(ctx, activities.BroadcastInput{Context: other, Checkpoint: path}, e.fleet); err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.broadcast(ctx, path, 2, nil)
+	if err != nil || !out.Initialized {
+		t.Fatalf("run 1 after run 2 took its server: %+v %v", out, err)
+	}
+	if n := e.requests(0, "POST /init_weight_transfer_engine"); n != 3 {
+		t.Fatalf("%d inits, want 3", n)
 	}
 }
