@@ -9,7 +9,9 @@
 //     communicator (rank 0), the group's topology and a staging pipeline of
 //     pinned buffers, reused across iterations. A vLLM worker holds a single
 //     communicator, so initialising a group closes every other group that
-//     shares a server with it.
+//     shares a server with it. Before a group allocates staging buffers,
+//     the buffers of every idle group are freed, so a long-lived worker
+//     holds pinned memory for the groups in use, not for every past run.
 //   - A group is re-initialised when it is missing or its communicator is
 //     poisoned (nccl.Comm.Err), and after every failed broadcast that
 //     poisoned it: an NCCL failure is never retried on the same communicator.

@@ -268,6 +268,28 @@ func (t *Transfer) retireOverlapping(g *group) {
 	}
 }
 
+// releaseIdlePipelines frees the staging buffers of every other group not
+// in use right now, before g allocates its own: runs come and go on a
+// long-lived GPU worker, and each one's pinned and device buffers would
+// otherwise stay allocated until its servers are taken over. A group whose
+// buffers were freed allocates them again on its next broadcast.
+func (t *Transfer) releaseIdlePipelines(g *group) {
+	t.mu.Lock()
+	others := make([]*group, 0, len(t.groups))
+	for _, o := range t.groups {
+		if o != g {
+			others = append(others, o)
+		}
+	}
+	t.mu.Unlock()
+	for _, o := range others {
+		if o.mu.TryLock() {
+			o.closePipe()
+			o.mu.Unlock()
+		}
+	}
+}
+
 // Close closes every group: communicators, pipelines and their pinned
 // memory. The Transfer must not be used afterwards.
 func (t *Transfer) Close() error {
@@ -636,6 +658,7 @@ func (t *Transfer) ensurePipeline(ctx context.Context, g *group, need int64, num
 		return nil
 	}
 	g.closePipe()
+	t.releaseIdlePipelines(g)
 	margin := opts.DeviceMargin
 	if margin <= 0 {
 		margin = 256 << 20
