@@ -246,7 +246,7 @@ func startReceiver(ctx context.Context, t *testing.T, i int) *httpReceiver {
 		py = "python3"
 	}
 	port := freePort(t)
-	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(gpuDevice()), "--deadline", "600"}
+	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(gpuDevice()), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)
 	cmd.Env = append(os.Environ(), fmt.Sprintf("NCCL_HOSTID=rlflow-worker%d", i+1), "PYTHONUNBUFFERED=1")
 	logPath := filepath.Join(logDir(t), strings.NewReplacer("/", "_").Replace(t.Name())+fmt.Sprintf(".server%d.log", i+1))
