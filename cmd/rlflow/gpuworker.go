@@ -60,8 +60,12 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags) error {
 	// CUDA orders devices fastest first by default, NVML by PCI bus: make
 	// CUDA ordinals match NVML indices so that health describes the device
 	// NCCL uses. Must happen before the CUDA runtime initialises.
-	if os.Getenv("CUDA_DEVICE_ORDER") == "" {
+	switch order := os.Getenv("CUDA_DEVICE_ORDER"); order {
+	case "":
 		os.Setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+	case "PCI_BUS_ID":
+	default:
+		log.Warn("CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA ordinals may not match NVML's, so device selection and health may describe another GPU than NCCL uses", "CUDA_DEVICE_ORDER", order)
 	}
 	var api nccl.API
 	var mon gpu.Monitor
