@@ -3,6 +3,7 @@ module github.com/rlflow/rlflow
 go 1.26.0
 
 require (
+	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/expr-lang/expr v1.17.8
 	github.com/sashabaranov/go-openai v1.43.0
 	github.com/schollz/progressbar/v3 v3.19.1

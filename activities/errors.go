@@ -41,6 +41,9 @@ const (
 	// the NCCL weight path (start the worker with `rlflow worker --gpu`).
 	// Non-retryable: the retry would land on the same task queue.
 	ErrTypeNoGPUWorker = "NoGPUWorker"
+	// ErrTypeNCCL: the NCCL group failed or was lost. Retryable: the next
+	// attempt re-initialises the group.
+	ErrTypeNCCL = "NCCLError"
 )
 
 // NonRetryable lists the error types every step treats as final.
@@ -68,6 +71,12 @@ func stepError(ctx context.Context, errType string, cause error, format string, 
 		Cause:        cause,
 		Details:      []any{pipelines.AttemptDetail{Attempt: attempt}},
 	})
+}
+
+// StepError is stepError for step implementations outside this package
+// (package gpu implements the NCCL transfer steps behind NCCLTransfer).
+func StepError(ctx context.Context, errType string, cause error, format string, args ...any) error {
+	return stepError(ctx, errType, cause, format, args...)
 }
 
 // badInput is the error for arguments that can never work.

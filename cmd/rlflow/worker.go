@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -15,16 +16,29 @@ import (
 func newWorkerCmd(g *globalFlags) *cobra.Command {
 	var logDir string
 	var maxActivities int
+	var gf gpuFlags
 	cmd := &cobra.Command{
 		Use:   "worker",
-		Short: "Run a control worker: the pipeline interpreter and the control step types",
+		Short: "Run a control worker (the pipeline interpreter and the control step types) or, with --gpu, a GPU worker",
 		Long: `Worker serves --task-queue on the Temporal cluster at --address: it runs the
 rlflow.Pipeline and rlflow.Iteration workflows and the control activities
 (exec, noop, load_pipeline, ...). Run as many as you like; Temporal spreads
-steps over them and retries a dead worker's steps on a live one.`,
+steps over them and retries a dead worker's steps on a live one.
+
+With --gpu it is a GPU worker instead, on the trainer's GPU host: it answers
+gpu_acquire on --gpu-task-queue with a task queue of its own
+(rlflow-gpu/<host>/<instance>) and runs init_transfer and broadcast there,
+broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
+--advertise is the address the servers reach it at for the NCCL rendezvous.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
+			if gf.enabled {
+				return runGPUWorker(ctx, g, gf)
+			}
+			if gf.fakeNCCL {
+				return errors.New("--fake-nccl needs --gpu")
+			}
 			abs, err := filepath.Abs(logDir)
 			if err != nil {
 				return err
@@ -52,5 +66,6 @@ steps over them and retries a dead worker's steps on a live one.`,
 	}
 	cmd.Flags().StringVar(&logDir, "log-dir", envOr("RLFLOW_LOG_DIR", ".rlflow/logs"), "directory for per-attempt step logs (env RLFLOW_LOG_DIR)")
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
+	gf.register(cmd)
 	return cmd
 }

@@ -133,6 +133,11 @@ type Options struct {
 	// CleanupTimeout bounds the wait for in-flight copies before buffers
 	// are freed after a failure (default 30s).
 	CleanupTimeout time.Duration
+	// Progress, if set, is called on Broadcast's goroutine each time a
+	// broadcast is known to have completed, with the bytes of this run's
+	// chunks completed so far: what a caller heartbeats while a long
+	// transfer runs. It must not block.
+	Progress func(sent int64)
 }
 
 func (o Options) withDefaults() Options {
@@ -397,6 +402,16 @@ func (p *Pipeline) BufferBytes() int64 { return p.size }
 
 // Options are the pipeline's options with the defaults filled in.
 func (p *Pipeline) Options() Options { return p.opts }
+
+// Err is non-nil once a failure left copies that could not be drained: the
+// pipeline then refuses every run and should be closed and replaced. Call it
+// between runs, not during one.
+func (p *Pipeline) Err() error {
+	if p.broken != nil {
+		return fmt.Errorf("staging: pipeline unusable: %w", p.broken)
+	}
+	return nil
+}
 
 // Close frees every resource. After a failure whose copies could not be
 // drained it frees only what cannot be in use (the device memory is then
@@ -733,6 +748,13 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			}
 		}
 	}()
+	var sent int64
+	progress := func(k int) {
+		sent += chunks[k].Bytes
+		if p.opts.Progress != nil {
+			p.opts.Progress(sent)
+		}
+	}
 
 	for k, c := range chunks {
 		slot := k % n
@@ -771,6 +793,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 				return res, fail("waiting for the broadcast of chunk "+fmt.Sprint(k-n+1), err)
 			}
 			res.Broadcast += p.elapsed(ctx, dev, p.bStart[slot], p.bDone[slot])
+			progress(k - n)
 		}
 		o := nccl.Order{After: p.h2dDone[slot], Start: p.bStart[slot], Done: p.bDone[slot]}
 		if err := comm.BroadcastAsync(ctx, p.devb[slot], c.Count, c.DType, o); err != nil {
@@ -789,6 +812,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 				return res, fmt.Errorf("staging: chunk %d of %d: broadcast: %w", k+1, len(chunks), err)
 			}
 			res.Broadcast += p.elapsed(ctx, dev, p.bStart[slot], p.bDone[slot])
+			progress(k)
 		}
 	}
 	if err := finish(); err != nil {

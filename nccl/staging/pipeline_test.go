@@ -216,11 +216,23 @@ func TestBroadcastPackedWireSequence(t *testing.T) {
 func TestBroadcastNonPackedWireSequence(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, false, 0, false)
-	e := setup(t, nccl.FakeConfig{OpDelay: 100 * time.Microsecond}, MaxChunk(chunks), Options{Buffers: 3})
+	var sent []int64
+	e := setup(t, nccl.FakeConfig{OpDelay: 100 * time.Microsecond}, MaxChunk(chunks), Options{Buffers: 3,
+		Progress: func(n int64) { sent = append(sent, n) }})
 	if _, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks); err != nil {
 		t.Fatal(err)
 	}
 	checkWire(t, e.fake, ck, chunks)
+	// Progress counts every completed broadcast once, in order.
+	var want []int64
+	var total int64
+	for _, c := range chunks {
+		total += c.Bytes
+		want = append(want, total)
+	}
+	if fmt.Sprint(sent) != fmt.Sprint(want) {
+		t.Errorf("progress %v, want %v", sent, want)
+	}
 	// The per-tensor dtypes are the tensors' own, e.g. the I64 scalar.
 	for _, c := range e.fake.Collectives(0)[1:] {
 		if c.DType == nccl.Int64 && c.Count != 1 {

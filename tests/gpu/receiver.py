@@ -33,6 +33,21 @@ the pure broadcast throughput figure.
 
 --self-test checks the packing rule and the pickle shim, --plan-only prints the
 wire sequence it would expect for --meta; neither needs torch or a GPU.
+
+HTTP mode (--http PORT --api C|D) is a vLLM-like server front instead of a
+one-shot receiver: it serves the dev-mode weight-transfer routes rlflow's
+GPU worker calls (GET /get_world_size, POST /init_weight_transfer_engine,
+/start_weight_update, /update_weights, /finish_weight_update, GET
+/weight_info), with vLLM's strict payload keys for the generation (an
+unknown key is a 500) and its session rules, and does the worker's real
+part for each: the TCPStore rendezvous and NCCL init + warm-up on init, the
+broadcasts on update_weights (planned from update_info and, on D, the
+packed settings of init_info). It keeps the SHA-256 of every tensor of the
+last update, served at GET /received for the test to compare with the
+checkpoint, and POST /fail_next_update (test control, not vLLM) makes the
+next update_weights answer 500 before receiving anything, as a vLLM worker
+that rejects the metadata does. It prints "READY {json}" once listening.
+One rank per server (world size 1).
 """
 
 import argparse
@@ -135,6 +150,7 @@ class Nccl:
         L.ncclBroadcast.argtypes = coll
         L.ncclCommDestroy.argtypes = [ctypes.c_void_p]
         L.ncclCommAbort.argtypes = [ctypes.c_void_p]
+        L.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 
     def check(self, r, what):
         if r != 0:
@@ -155,6 +171,24 @@ class Nccl:
 
     def broadcast(self, ptr, count, dtype, comm, stream):
         self.check(self.lib.ncclBroadcast(ptr, ptr, count, dtype, 0, comm, stream), "ncclBroadcast")
+
+    def async_error(self, comm):
+        r = ctypes.c_int()
+        self.check(self.lib.ncclCommGetAsyncError(comm, ctypes.byref(r)), "ncclCommGetAsyncError")
+        return r.value
+
+    def wait(self, stream, comm, deadline):
+        """Wait for stream while watching the communicator, so that a
+        trainer that aborted (its sockets closed) ends the wait with an
+        error instead of a hang; the caller then aborts the communicator."""
+        NCCL_IN_PROGRESS = 7
+        while not stream.query():
+            r = self.async_error(comm)
+            if r not in (0, NCCL_IN_PROGRESS):
+                raise RuntimeError("NCCL error while receiving: %s (ncclResult %d)" % (self.lib.ncclGetErrorString(r).decode(), r))
+            if time.monotonic() > deadline:
+                raise RuntimeError("receive did not complete before its deadline")
+            time.sleep(0.001)
 
 
 def self_test():
@@ -191,6 +225,227 @@ def open_expected(path, device):
     return handles, where
 
 
+class HTTPFailure(Exception):
+    def __init__(self, code, detail):
+        Exception.__init__(self, detail)
+        self.code, self.detail = code, detail
+
+
+INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
+UPDATE_KEYS = {"names", "dtype_names", "shapes"}
+PACKED_KEYS = {"packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+
+
+class HTTPWorker:
+    """The state of one emulated single-rank vLLM server (--http mode)."""
+
+    def __init__(self, args):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist, self.args = torch, dist, args
+        self.shim = install_shim()
+        self.nccl = Nccl(args.nccl_lib, self.shim.ncclUniqueId)
+        self.dev = torch.device("cuda", args.device)
+        self.lock = threading.Lock()  # vLLM runs these worker RPCs one at a time
+        self.comm = None
+        self.store = None
+        self.init_info = None
+        self.session = False
+        self.version = None
+        self.fail_next = 0
+        self.updates = 0
+        self.last = {}
+        self.last_stats = {}
+
+    @staticmethod
+    def info(body, name, allowed):
+        info = body.get(name)
+        if not isinstance(info, dict):
+            raise HTTPFailure(400, "Missing '%s' in request body" % name)
+        extra = sorted(set(info) - allowed)
+        if extra:
+            # vLLM decodes into a strict dataclass: an unknown key is a 500.
+            raise HTTPFailure(500, "TypeError: __init__() got an unexpected keyword argument '%s'" % extra[0])
+        return info
+
+    def drop_comm(self):
+        if self.comm is not None:
+            self.nccl.lib.ncclCommAbort(self.comm)
+            self.comm = None
+        self.store = None
+
+    def init_engine(self, body):
+        allowed = INIT_KEYS | (PACKED_KEYS if self.args.api == "D" else set())
+        info = self.info(body, "init_info", allowed)
+        torch = self.torch
+        with self.lock:
+            torch.cuda.set_device(self.args.device)
+            self.drop_comm()  # re-initialising replaces the communicator
+            world, rank = int(info["world_size"]), int(info["rank_offset"])
+            log("init: TCPStore %s:%s, rank %d of %d" % (info["master_address"], info["master_port"], rank, world))
+            store = self.dist.TCPStore(info["master_address"], int(info["master_port"]), world_size=world, is_master=False,
+                                       timeout=datetime.timedelta(seconds=self.args.store_timeout), use_libuv=False)
+            uid = pickle.loads(store.get("broadcast_from/0/0"))
+            if not isinstance(uid, self.shim.ncclUniqueId):
+                raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
+            comm = self.nccl.init_rank(world, uid, rank)
+            stream = torch.cuda.current_stream(self.dev)
+            warm = torch.zeros(1, dtype=torch.float32, device=self.dev)
+            self.nccl.all_reduce(ctypes.c_void_p(warm.data_ptr()), 1, NCCL_FLOAT32, comm, ctypes.c_void_p(stream.cuda_stream))
+            stream.synchronize()
+            self.comm, self.store, self.init_info = comm, store, info
+            log("init: communicator ready (warm-up done)")
+        return {"message": "Weight transfer initialized"}
+
+    def start(self, body):
+        with self.lock:
+            if self.session:
+                raise HTTPFailure(500, "RuntimeError: a weight update session is already open")
+            self.session = True
+        return {"message": "Weight update started"}
+
+    def finish(self, body):
+        with self.lock:
+            if not self.session:
+                raise HTTPFailure(500, "RuntimeError: no open weight update session")
+            self.session = False
+            self.version = body.get("weight_version") or self.version
+        return {"message": "Weight update finished"}
+
+    def update(self, body):
+        allowed = UPDATE_KEYS | (PACKED_KEYS if self.args.api == "C" else set())
+        info = self.info(body, "update_info", allowed)
+        torch = self.torch
+        with self.lock:
+            torch.cuda.set_device(self.args.device)
+            if not self.session:
+                raise HTTPFailure(500, "RuntimeError: update_weights called without an open weight update session")
+            if self.comm is None:
+                raise HTTPFailure(500, "RuntimeError: weight transfer engine is not initialized")
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                raise HTTPFailure(500, "RuntimeError: receiver: injected failure (POST /fail_next_update)")
+            src = self.init_info if self.args.api == "D" else info
+            packed = bool(src.get("packed", False))
+            threshold = int(src.get("packed_buffer_size_bytes") or (1 << 30))
+            names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+            if not (len(names) == len(dtypes) == len(shapes)):
+                raise HTTPFailure(500, "ValueError: update_info lists differ in length")
+            sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
+            chunks = plan_chunks(sizes, packed, threshold)
+            stream = torch.cuda.current_stream(self.dev)
+            sp = ctypes.c_void_p(stream.cuda_stream)
+            received = {}
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                if packed:
+                    nbytes = sum(sizes[i] for i in chunk)
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+                    self.nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), nbytes, NCCL_UINT8, self.comm, sp)
+                    off = 0
+                    for i in chunk:
+                        received[names[i]] = buf[off:off + sizes[i]]
+                        off += sizes[i]
+                else:
+                    i = chunk[0]
+                    t = torch.empty([int(d) for d in shapes[i]], dtype=getattr(torch, dtypes[i]), device=self.dev)
+                    self.nccl.broadcast(ctypes.c_void_p(t.data_ptr()), t.numel(), NCCL_DTYPES[dtypes[i]], self.comm, sp)
+                    received[names[i]] = t.reshape(-1).view(torch.uint8)
+            try:
+                self.nccl.wait(stream, self.comm, time.monotonic() + self.args.update_deadline)
+            except Exception:
+                self.drop_comm()  # its kernels exit; the next init builds a new one
+                raise
+            secs = time.perf_counter() - t0
+            import hashlib
+            self.last = {n: hashlib.sha256(received[n].cpu().numpy().tobytes()).hexdigest() for n in names}
+            self.updates += 1
+            self.last_stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
+                               "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed}
+            log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (self.updates, len(names), len(chunks), sum(sizes), secs))
+        return {"message": "Weights updated"}
+
+    def report(self):
+        with self.lock:
+            return {"updates": self.updates, "sha256": self.last, "stats": self.last_stats, "version": self.version}
+
+
+def serve_http(args):
+    import http.server
+    from urllib.parse import urlparse
+
+    wd = threading.Timer(args.deadline, lambda: (log("watchdog: %.0fs deadline passed, exiting" % args.deadline), os._exit(4)))
+    wd.daemon = True
+    wd.start()
+    worker = HTTPWorker(args)
+    posts = {
+        "/init_weight_transfer_engine": worker.init_engine,
+        "/start_weight_update": worker.start,
+        "/update_weights": worker.update,
+        "/finish_weight_update": worker.finish,
+    }
+
+    def fail_next(body):
+        with worker.lock:
+            worker.fail_next += 1
+        return {"message": "the next update_weights fails"}
+    posts["/fail_next_update"] = fail_next
+    gets = {
+        "/get_world_size": lambda: {"world_size": 1},
+        "/weight_info": lambda: {"weight_version": worker.version},
+        "/received": worker.report,
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a):
+            log("http: " + fmt % a)
+
+        def reply(self, code, obj):
+            b = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b)))
+            self.end_headers()
+            self.wfile.write(b)
+
+        def do_GET(self):
+            path = urlparse(self.path).path
+            if path in gets:
+                self.reply(200, gets[path]())
+            elif path in posts:
+                self.reply(405, {"detail": "Method Not Allowed"})
+            else:
+                self.reply(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            path = urlparse(self.path).path
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n else b""
+            if path not in posts:
+                self.reply(405 if path in gets else 404, {"detail": "Not Found"})
+                return
+            try:
+                body = json.loads(raw) if raw.strip() else {}
+                if not isinstance(body, dict):
+                    raise HTTPFailure(400, "body is not a JSON object")
+                self.reply(200, posts[path](body))
+            except HTTPFailure as e:
+                self.reply(e.code, {"detail": e.detail})
+            except Exception as e:  # a worker exception: vLLM answers 500
+                import traceback
+                traceback.print_exc()
+                self.reply(500, {"detail": "%s: %s" % (type(e).__name__, e)})
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.http), Handler)
+    srv.daemon_threads = True
+    emit("READY", port=args.http, api=args.api, nccl=worker.nccl.version())
+    log("serving on 127.0.0.1:%d (generation %s)" % (args.http, args.api))
+    srv.serve_forever()
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
@@ -209,6 +464,10 @@ def main():
     ap.add_argument("--raw-bytes", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--self-test", action="store_true")
+    ap.add_argument("--http", type=int, default=0, metavar="PORT",
+                    help="serve the vLLM-like HTTP routes on 127.0.0.1:PORT (see the module doc)")
+    ap.add_argument("--api", default="D", choices=["C", "D"], help="--http: the API generation to emulate")
+    ap.add_argument("--update-deadline", type=float, default=120.0, help="--http: seconds one update_weights may take")
     ap.add_argument("--plan-only", action="store_true",
                     help="print the wire sequence planned from --meta as PLAN {json} and exit (no torch, no GPU)")
     args = ap.parse_args()
@@ -216,6 +475,8 @@ def main():
     if args.self_test:
         self_test()
         return 0
+    if args.http:
+        return serve_http(args)
     if args.plan_only:
         with open(args.meta) as f:
             meta = json.load(f)

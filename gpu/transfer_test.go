@@ -1,0 +1,785 @@
+package gpu
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/nccl/staging"
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/vllm"
+	"github.com/rlflow/rlflow/vllm/double"
+	"github.com/rlflow/rlflow/vllm/double/bigram"
+	"go.temporal.io/sdk/temporal"
+)
+
+// receiver is a test double of a vLLM server's NCCL data plane for
+// vllm/double: every rank of the server is a real rank of the same
+// nccl.Fake the trainer uses, so the fake moves the trainer's bytes to it
+// and refuses any collective whose count or dtype differ between ranks.
+// It plans the wire sequence from update_info with its own few lines of
+// spec section 6 (not with nccl/plan), records every tensor it received,
+// and hands the double only the tensor its bigram model has.
+type receiver struct {
+	f *nccl.Fake
+	// stall makes Init wait for its context instead of joining: a worker
+	// that reached the store but never joins NCCL.
+	stall bool
+
+	mu      sync.Mutex
+	comms   []*nccl.Comm
+	inits   []double.NCCLInit
+	updates []map[string][]byte
+}
+
+func (r *receiver) closeComms() {
+	r.mu.Lock()
+	old := r.comms
+	r.comms = nil
+	r.mu.Unlock()
+	for _, c := range old {
+		c.Abort(errors.New("receiver: replaced"))
+		c.Close(context.Background())
+	}
+}
+
+func (r *receiver) Init(ctx context.Context, in double.NCCLInit) error {
+	r.closeComms()
+	if r.stall {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	var id nccl.UniqueID
+	copy(id[:], in.UniqueID)
+	comms := make([]*nccl.Comm, len(in.Ranks))
+	errs := make([]error, len(in.Ranks))
+	var wg sync.WaitGroup
+	for i, rank := range in.Ranks {
+		// One fake device per rank, as one GPU per vLLM worker.
+		wg.Go(func() { comms[i], errs[i] = nccl.NewComm(ctx, r.f, rank, in.WorldSize, rank, id) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for _, c := range comms {
+			if c != nil {
+				c.Close(context.Background())
+			}
+		}
+		return err
+	}
+	r.mu.Lock()
+	r.comms = comms
+	r.inits = append(r.inits, in)
+	r.mu.Unlock()
+	return nil
+}
+
+var receiverDTypes = map[string]nccl.DataType{
+	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
+	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
+}
+
+type receiverChunk struct {
+	tensors []int
+	bytes   int64
+	dtype   nccl.DataType
+	count   int
+}
+
+// receiverPlan is spec section 6, written down once more.
+func receiverPlan(u double.NCCLUpdate) ([]receiverChunk, error) {
+	var out []receiverChunk
+	if !u.Packed {
+		for i, n := range u.Bytes {
+			dt, ok := receiverDTypes[u.DTypeNames[i]]
+			if !ok {
+				return nil, fmt.Errorf("receiver: no NCCL type for %s", u.DTypeNames[i])
+			}
+			out = append(out, receiverChunk{tensors: []int{i}, bytes: n, dtype: dt, count: int(n) / dt.Size()})
+		}
+		return out, nil
+	}
+	var cur receiverChunk
+	for i, n := range u.Bytes {
+		cur.tensors = append(cur.tensors, i)
+		cur.bytes += n
+		if cur.bytes > u.PackedBufferSizeBytes {
+			out = append(out, cur)
+			cur = receiverChunk{}
+		}
+	}
+	if len(cur.tensors) > 0 {
+		out = append(out, cur)
+	}
+	for i := range out {
+		out[i].dtype, out[i].count = nccl.Uint8, int(out[i].bytes)
+	}
+	return out, nil
+}
+
+func (r *receiver) Receive(ctx context.Context, u double.NCCLUpdate) ([]double.Tensor, error) {
+	r.mu.Lock()
+	comms := r.comms
+	r.mu.Unlock()
+	chunks, err := receiverPlan(u)
+	if err != nil {
+		return nil, err
+	}
+	got := make([]map[string][]byte, len(comms))
+	errs := make([]error, len(comms))
+	var wg sync.WaitGroup
+	for i, c := range comms {
+		wg.Go(func() { got[i], errs[i] = r.receiveRank(ctx, c, u, chunks) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	for i := 1; i < len(got); i++ {
+		for name, b := range got[0] {
+			if !bytes.Equal(got[i][name], b) {
+				return nil, fmt.Errorf("receiver: ranks disagree on %s", name)
+			}
+		}
+	}
+	r.mu.Lock()
+	r.updates = append(r.updates, got[0])
+	r.mu.Unlock()
+	var out []double.Tensor
+	for i, name := range u.Names {
+		if name == bigram.TensorName {
+			out = append(out, double.Tensor{Name: name, DType: u.DTypeNames[i], Shape: u.Shapes[i], Data: got[0][name]})
+		}
+	}
+	return out, nil
+}
+
+func (r *receiver) receiveRank(ctx context.Context, c *nccl.Comm, u double.NCCLUpdate, chunks []receiverChunk) (map[string][]byte, error) {
+	out := map[string][]byte{}
+	for _, ch := range chunks {
+		var buf nccl.DevPtr
+		if err := c.Device().Do(ctx, func(api nccl.API) (err error) {
+			buf, err = api.Malloc(int(max(ch.bytes, 1)))
+			return err
+		}); err != nil {
+			return nil, err
+		}
+		err := c.Broadcast(ctx, buf, ch.count, ch.dtype)
+		var data []byte
+		if err == nil {
+			data, err = r.f.DeviceBytes(buf, int(ch.bytes))
+		}
+		c.Device().Do(context.Background(), func(api nccl.API) error { return api.Free(buf) })
+		if err != nil {
+			return nil, err
+		}
+		var off int64
+		for _, i := range ch.tensors {
+			out[u.Names[i]] = data[off : off+u.Bytes[i]]
+			off += u.Bytes[i]
+		}
+	}
+	return out, nil
+}
+
+func (r *receiver) received() []map[string][]byte {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]map[string][]byte(nil), r.updates...)
+}
+
+func (r *receiver) initCalls() []double.NCCLInit {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]double.NCCLInit(nil), r.inits...)
+}
+
+// server is one vLLM double with its receiver.
+type server struct {
+	*double.Server
+	url string
+	rcv *receiver
+}
+
+type env struct {
+	t       *testing.T
+	f       *nccl.Fake
+	tr      *Transfer
+	servers []*server
+	fleet   vllm.Fleet
+	sc      pipelines.StepContext
+
+	mu    sync.Mutex
+	beats []Progress
+}
+
+type envConfig struct {
+	gen        double.Generation
+	worldSizes []int // per server (TP)
+	wt         pipelines.WeightTransfer
+	faults     []double.Faults // per server, optional
+	monitor    Monitor
+}
+
+func newEnv(t *testing.T, cfg envConfig) *env {
+	t.Helper()
+	e := &env{t: t, f: nccl.NewFake(nccl.FakeConfig{Devices: 8, DeviceMemory: 64 << 20})}
+	for i, ws := range cfg.worldSizes {
+		r := &receiver{f: e.f}
+		dc := double.Config{Generation: cfg.gen, Backend: double.BackendNCCL, DevMode: true, WorldSize: ws,
+			NCCLReceiver: r, RendezvousTimeout: 10 * time.Second, Seed: uint64(i + 1)}
+		if i < len(cfg.faults) {
+			dc.Faults = cfg.faults[i]
+		}
+		d, err := double.New(dc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs := httptest.NewServer(d.Handler())
+		t.Cleanup(func() {
+			hs.Close()
+			d.Close()
+			r.closeComms()
+		})
+		c, err := vllm.New(hs.URL, vllm.Options{Generation: vllm.Generation(cfg.gen)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.servers = append(e.servers, &server{Server: d, url: hs.URL, rcv: r})
+		e.fleet = append(e.fleet, c)
+		e.sc.Servers = append(e.sc.Servers, pipelines.Server{URL: hs.URL, API: string(cfg.gen)})
+	}
+	wt := cfg.wt
+	wt.Backend = "nccl"
+	e.sc.RunID, e.sc.Iteration, e.sc.WeightTransfer = "run-1", 1, &wt
+	tr, err := New(Config{
+		API: e.f, Device: 0, Advertise: "127.0.0.1", Monitor: cfg.monitor,
+		Staging:        staging.Options{DeviceMargin: 1 << 20},
+		Comm:           []nccl.CommOption{nccl.WithPollInterval(20*time.Microsecond, time.Millisecond)},
+		HeartbeatEvery: time.Millisecond,
+		Heartbeat: func(_ context.Context, p Progress) {
+			e.mu.Lock()
+			e.beats = append(e.beats, p)
+			e.mu.Unlock()
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.tr = tr
+	t.Cleanup(func() {
+		tr.Close()
+		for _, s := range e.servers {
+			s.rcv.closeComms()
+		}
+		if l := e.f.Leaks(); l != "" {
+			t.Errorf("leaked %s", l)
+		}
+	})
+	return e
+}
+
+func (e *env) heartbeats() []Progress {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]Progress(nil), e.beats...)
+}
+
+func (e *env) ctx() context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	e.t.Cleanup(cancel)
+	return ctx
+}
+
+func (e *env) broadcast(ctx context.Context, ckpt string, iter int, mod func(*activities.BroadcastInput)) (*activities.BroadcastOutput, error) {
+	sc := e.sc
+	sc.Iteration = iter
+	in := activities.BroadcastInput{Context: sc, Checkpoint: ckpt}
+	if mod != nil {
+		mod(&in)
+	}
+	return e.tr.Broadcast(ctx, in, e.fleet)
+}
+
+func (e *env) requests(i int, route string) int { return e.servers[i].Stats().Requests[route] }
+
+// writeCheckpoint writes the bigram weight plus tensors of awkward sizes
+// and dtypes; seed makes each iteration's bytes different.
+func writeCheckpoint(t *testing.T, dir string, seed int) string {
+	t.Helper()
+	logits := make([]byte, 4*bigram.Vocab*bigram.Vocab)
+	for i := 0; i < bigram.Vocab*bigram.Vocab; i++ {
+		binary.LittleEndian.PutUint32(logits[4*i:], math.Float32bits(float32(math.Sin(float64(i*seed+1)))*2))
+	}
+	fill := func(n int, k int) []byte {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(i*7 + k*31 + seed*13)
+		}
+		return b
+	}
+	f32 := make([]byte, 4*1023)
+	for i := 0; i < 1023; i++ {
+		binary.LittleEndian.PutUint32(f32[4*i:], math.Float32bits(float32(i*seed)*0.01-3))
+	}
+	path := filepath.Join(dir, fmt.Sprintf("ckpt-%d.safetensors", seed))
+	err := safetensors.Write(path, []safetensors.WriteTensor{
+		{Name: "extra.3x5x7", DType: safetensors.BF16, Shape: []int64{3, 5, 7}, Data: fill(2*105, 1)},
+		{Name: bigram.TensorName, DType: safetensors.F32, Shape: []int64{bigram.Vocab, bigram.Vocab}, Data: logits},
+		{Name: "extra.scalar", DType: safetensors.I64, Shape: []int64{}, Data: fill(8, 2)},
+		{Name: "extra.mask", DType: safetensors.U8, Shape: []int64{17}, Data: fill(17, 3)},
+		{Name: "extra.empty", DType: safetensors.BF16, Shape: []int64{0, 4}, Data: nil},
+		{Name: "extra.f32", DType: safetensors.F32, Shape: []int64{1023}, Data: f32},
+		{Name: "extra.4097", DType: safetensors.BF16, Shape: []int64{4097}, Data: fill(2*4097, 4)},
+	}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// checkBytes compares what a receiver got with the checkpoint, tensor by
+// tensor (F32 tensors converted with wire when it is not nil).
+func checkBytes(t *testing.T, path string, got map[string][]byte, toBF16 bool) {
+	t.Helper()
+	ck, err := safetensors.OpenCheckpoint(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	if len(got) != len(ck.Tensors()) {
+		t.Fatalf("received %d tensors, the checkpoint has %d", len(got), len(ck.Tensors()))
+	}
+	for _, ti := range ck.Tensors() {
+		want, err := ck.Bytes(ti)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if toBF16 && ti.DType == safetensors.F32 {
+			conv := make([]byte, len(want)/2)
+			if err := safetensors.ConvertF32ToBF16(conv, want); err != nil {
+				t.Fatal(err)
+			}
+			want = conv
+		}
+		if !bytes.Equal(got[ti.Name], want) {
+			t.Fatalf("tensor %s: received %d bytes that differ from the checkpoint's %d", ti.Name, len(got[ti.Name]), len(want))
+		}
+	}
+}
+
+func isRetryable(err error) bool {
+	var app *temporal.ApplicationError
+	return errors.As(err, &app) && !app.NonRetryable()
+}
+
+// ---- tests ----
+
+func TestInitThenBroadcastTwice(t *testing.T) {
+	for _, gen := range []double.Generation{double.GenB, double.GenC, double.GenD} {
+		for _, sizes := range [][]int{{1}, {1, 2}} {
+			for _, packed := range []bool{true, false} {
+				name := fmt.Sprintf("%s/servers=%v/packed=%v", gen, sizes, packed)
+				t.Run(name, func(t *testing.T) {
+					wt := pipelines.WeightTransfer{Packed: packed}
+					if packed {
+						wt.BufferBytes = 4096 // several chunks, tensors crossing T
+					}
+					e := newEnv(t, envConfig{gen: gen, worldSizes: sizes, wt: wt})
+					ctx := e.ctx()
+					out, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet)
+					if err != nil {
+						t.Fatal(err)
+					}
+					world := 1
+					for _, s := range sizes {
+						world += s
+					}
+					if out.WorldSize != world || out.Backend != "nccl" || !strings.HasSuffix(out.Group, "#1") || !strings.HasPrefix(out.Group, "run-1@") {
+						t.Fatalf("init output %+v", out)
+					}
+					// Cumulative rank offsets: the second server's TP ranks follow the first's.
+					offset := 1
+					for i, s := range e.servers {
+						in := s.rcv.initCalls()
+						if len(in) != 1 || in[0].WorldSize != world || in[0].Ranks[0] != offset || len(in[0].Ranks) != sizes[i] {
+							t.Fatalf("server %d init %+v, want ranks from %d, world %d", i, in, offset, world)
+						}
+						if gen == double.GenD && in[0].Packed != packed {
+							t.Fatalf("generation D: init_info packed %v, want %v", in[0].Packed, packed)
+						}
+						offset += sizes[i]
+					}
+					dir := t.TempDir()
+					for iter := 1; iter <= 2; iter++ {
+						path := writeCheckpoint(t, dir, iter)
+						bo, err := e.broadcast(ctx, path, iter, nil)
+						if err != nil {
+							t.Fatalf("broadcast %d: %v", iter, err)
+						}
+						if bo.Initialized || bo.Tensors != 7 || bo.Version != fmt.Sprintf("run-1/iter-%d", iter) {
+							t.Fatalf("broadcast %d output %+v", iter, bo)
+						}
+						for i, s := range e.servers {
+							got := s.rcv.received()
+							if len(got) != iter {
+								t.Fatalf("server %d received %d updates after %d broadcasts", i, len(got), iter)
+							}
+							checkBytes(t, path, got[iter-1], false)
+							if gen != double.GenB && s.WeightVersion() != bo.Version {
+								t.Fatalf("server %d weight version %q, want %q", i, s.WeightVersion(), bo.Version)
+							}
+						}
+					}
+					// One rendezvous for the init and both broadcasts.
+					for i := range e.servers {
+						if n := e.requests(i, "POST /init_weight_transfer_engine"); n != 1 {
+							t.Fatalf("server %d saw %d inits, want 1", i, n)
+						}
+					}
+					var last Progress
+					for _, b := range e.heartbeats() {
+						if b.Phase == "broadcast" {
+							last = b
+						}
+					}
+					if last.BytesTotal == 0 || last.BytesSent > last.BytesTotal || last.Group != out.Group {
+						t.Fatalf("last broadcast heartbeat %+v", last)
+					}
+				})
+			}
+		}
+	}
+}
+
+func TestBroadcastInitialisesOnFirstUse(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true}})
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	out, err := e.broadcast(e.ctx(), path, 1, func(in *activities.BroadcastInput) { in.Version = "v1"; in.Verify = true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !out.Initialized || out.Version != "v1" || out.Bytes == 0 {
+		t.Fatalf("%+v", out)
+	}
+	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
+}
+
+func TestPoisonedGroupIsReinitialised(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}, wt: pipelines.WeightTransfer{Packed: true, BufferBytes: 4096}})
+	ctx := e.ctx()
+	dir := t.TempDir()
+	if _, err := e.broadcast(ctx, writeCheckpoint(t, dir, 1), 1, nil); err != nil {
+		t.Fatal(err)
+	}
+	// NCCL fails asynchronously in the middle of the next transfer, as when
+	// a socket closes.
+	var once sync.Once
+	next := len(e.f.Collectives(0)) // the index of the next broadcast's first chunk
+	e.f.OnCollective(func(c nccl.Call) nccl.Fault {
+		fault := nccl.Fault{}
+		if c.Rank == 0 && c.Op == "Broadcast" && c.Index >= next+1 {
+			once.Do(func() { fault = nccl.Fault{Err: nccl.RemoteError, Delay: 5 * time.Millisecond} })
+		}
+		return fault
+	})
+	start := time.Now()
+	_, err := e.broadcast(ctx, writeCheckpoint(t, dir, 2), 2, nil)
+	if err == nil || !isRetryable(err) {
+		t.Fatalf("broadcast with an NCCL failure: %v, want a retryable error", err)
+	}
+	if !activities.IsType(err, activities.ErrTypeNCCL) || !strings.Contains(err.Error(), "injected by the fake") {
+		t.Fatalf("want an NCCLError with NCCL's own reason: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("failure took %v", d)
+	}
+	t.Logf("error: %v", err)
+	e.f.OnCollective(nil)
+	path := writeCheckpoint(t, dir, 3)
+	out, err := e.broadcast(ctx, path, 3, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !out.Initialized {
+		t.Fatal("the broadcast after an NCCL failure reused the poisoned group")
+	}
+	for i, s := range e.servers {
+		got := s.rcv.received()
+		checkBytes(t, path, got[len(got)-1], false)
+		if n := e.requests(i, "POST /init_weight_transfer_engine"); n != 2 {
+			t.Fatalf("server %d: %d inits, want 2", i, n)
+		}
+		// The failed attempt closed its sessions: the next start succeeded.
+		if s.WeightVersion() != "run-1/iter-3" {
+			t.Fatalf("server %d version %q", i, s.WeightVersion())
+		}
+	}
+}
+
+func TestUpdateWeights500AbortsAtOnce(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}, wt: pipelines.WeightTransfer{Packed: true, BufferBytes: 4096},
+		faults: []double.Faults{{}, {ErrorRate: map[string]float64{"/update_weights": 1}}}})
+	ctx := e.ctx()
+	if _, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err := e.broadcast(ctx, writeCheckpoint(t, t.TempDir(), 1), 1, nil)
+	took := time.Since(start)
+	if err == nil {
+		t.Fatal("broadcast succeeded although update_weights answered 500")
+	}
+	t.Logf("error after %v: %v", took, err)
+	if took > 5*time.Second {
+		t.Fatalf("took %v: the communicator should be aborted at once", took)
+	}
+	msg := err.Error()
+	for _, want := range []string{e.servers[1].url, "POST /update_weights: HTTP 500", "injected fault", "communicator was aborted"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error does not say %q: %s", want, msg)
+		}
+	}
+	if !activities.IsType(err, activities.ErrTypeServerError) || !isRetryable(err) {
+		t.Errorf("want a retryable ServerError: %v", err)
+	}
+	aborted := false
+	for _, c := range e.f.Calls() {
+		aborted = aborted || (c.Op == "CommAbort" && c.Rank == 0)
+	}
+	if !aborted {
+		t.Error("rank 0's communicator was not aborted")
+	}
+	// Neither server is left mid-update.
+	for i := range e.servers {
+		if e.requests(i, "POST /finish_weight_update") != 1 {
+			t.Errorf("server %d: session not closed after the failure", i)
+		}
+	}
+}
+
+func TestCancelMidBroadcast(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true, BufferBytes: 4096}})
+	ctx := e.ctx()
+	dir := t.TempDir()
+	stalled := make(chan struct{})
+	var once sync.Once
+	e.f.OnCollective(func(c nccl.Call) nccl.Fault {
+		if c.Rank == 0 && c.Op == "Broadcast" && c.Index == 2 { // the second chunk
+			once.Do(func() { close(stalled) })
+			return nccl.Fault{Stall: true}
+		}
+		return nccl.Fault{}
+	})
+	bctx, cancel := context.WithCancel(ctx)
+	go func() {
+		<-stalled
+		cancel()
+	}()
+	start := time.Now()
+	_, err := e.broadcast(bctx, writeCheckpoint(t, dir, 1), 1, nil)
+	took := time.Since(start) // includes the init
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("got %v, want the cancellation", err)
+	}
+	if took > 5*time.Second {
+		t.Fatalf("returned %v after the start", took)
+	}
+	e.f.OnCollective(nil)
+	path := writeCheckpoint(t, dir, 2)
+	out, err := e.broadcast(ctx, path, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !out.Initialized {
+		t.Fatal("the group aborted by the cancellation was reused")
+	}
+	got := e.servers[0].rcv.received()
+	checkBytes(t, path, got[len(got)-1], false)
+}
+
+func TestConversionAndALoadFailureAfterTheBytes(t *testing.T) {
+	// dtype bfloat16 narrows every F32 tensor, the bigram weight included,
+	// which the double's model then refuses to load: the bytes all arrived,
+	// the update fails with the server's reason.
+	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1}, wt: pipelines.WeightTransfer{}})
+	ctx := e.ctx()
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	_, err := e.broadcast(ctx, path, 1, func(in *activities.BroadcastInput) { in.DType = "bfloat16" })
+	if err == nil || !activities.IsType(err, activities.ErrTypeServerError) {
+		t.Fatalf("got %v, want a ServerError", err)
+	}
+	if !strings.Contains(err.Error(), "want F32") || !strings.Contains(err.Error(), e.servers[0].url) {
+		t.Fatalf("error does not carry the server's reason: %v", err)
+	}
+	got := e.servers[0].rcv.received()
+	if len(got) != 1 {
+		t.Fatalf("%d updates received", len(got))
+	}
+	checkBytes(t, path, got[0], true)
+	if e.requests(0, "POST /finish_weight_update") != 1 {
+		t.Error("session not closed after the failed load")
+	}
+	if _, err := e.broadcast(ctx, path, 2, nil); err != nil {
+		t.Fatalf("the next broadcast: %v", err)
+	}
+}
+
+func TestBadInputs(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}})
+	ctx := e.ctx()
+	dir := t.TempDir()
+	good := writeCheckpoint(t, dir, 1)
+	cases := map[string]struct {
+		mod  func(*activities.BroadcastInput)
+		want string
+	}{
+		"missing checkpoint": {func(in *activities.BroadcastInput) { in.Checkpoint = filepath.Join(dir, "nope") }, "no such file"},
+		"empty checkpoint":   {func(in *activities.BroadcastInput) { in.Checkpoint = "" }, "checkpoint is empty"},
+		"dtype":              {func(in *activities.BroadcastInput) { in.DType = "float8" }, "dtype \"float8\""},
+		"disk backend": {func(in *activities.BroadcastInput) {
+			in.Context.WeightTransfer = &pipelines.WeightTransfer{Backend: "disk"}
+		}, "nccl backend only"},
+	}
+	for name, tc := range cases {
+		_, err := e.broadcast(ctx, good, 1, tc.mod)
+		if err == nil || !activities.IsType(err, activities.ErrTypeBadInput) || isRetryable(err) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want a non-retryable BadInput saying %q", name, err, tc.want)
+		}
+	}
+	// A relative checkpoint is resolved against the run's base_dir.
+	out, err := e.broadcast(ctx, filepath.Base(good), 1, func(in *activities.BroadcastInput) { in.Context.BaseDir = dir })
+	if err != nil || out.Tensors != 7 {
+		t.Fatalf("relative checkpoint: %+v %v", out, err)
+	}
+
+	noAddr, err := New(Config{API: e.f})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = noAddr.Broadcast(ctx, activities.BroadcastInput{Context: e.sc, Checkpoint: good}, e.fleet)
+	if !activities.IsType(err, activities.ErrTypeBadInput) || !strings.Contains(err.Error(), "--advertise") {
+		t.Fatalf("no master address: %v", err)
+	}
+	_, err = noAddr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet)
+	if !activities.IsType(err, activities.ErrTypeBadInput) {
+		t.Fatalf("init without a master address: %v", err)
+	}
+}
+
+func TestHealthInHeartbeatsAndMemoryCheck(t *testing.T) {
+	mon := NewFakeMonitor(DeviceInfo{Index: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 60 << 30})
+	one := uint64(1)
+	mon.SetHealth(Health{Device: 0, ECCUncorrected: &one, XIDs: []uint64{79}})
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, monitor: mon})
+	ctx := e.ctx()
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	if _, err := e.broadcast(ctx, path, 1, nil); err != nil {
+		t.Fatal(err)
+	}
+	var seen bool
+	for _, b := range e.heartbeats() {
+		if b.Health != nil && strings.Contains(strings.Join(b.Health.Problems, ";"), "XID errors 79") {
+			seen = true
+		}
+	}
+	if !seen {
+		t.Fatal("no heartbeat carried the device's XID")
+	}
+	// Too little free memory for the buffers: refused before allocating,
+	// naming the device.
+	mon.SetHealth(Health{Device: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 1 << 20})
+	_, err := e.broadcast(ctx, path, 2, func(in *activities.BroadcastInput) {
+		in.Context.WeightTransfer = &pipelines.WeightTransfer{Backend: "nccl", Packed: true, BufferBytes: 1 << 30}
+	})
+	if err == nil || !strings.Contains(err.Error(), "Fake H200") || !strings.Contains(err.Error(), "free") {
+		t.Fatalf("got %v, want the free-memory check", err)
+	}
+}
+
+// A server left mid-update by a trainer that is gone (its session still
+// open) does not make every later attempt fail on "already open": a fresh
+// group closes the stale session and starts again.
+func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true}})
+	ctx := e.ctx()
+	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil { // the dead trainer's session
+		t.Fatal(err)
+	}
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	out, err := e.broadcast(ctx, path, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !out.Initialized || e.servers[0].WeightVersion() != out.Version {
+		t.Fatalf("%+v, server version %q", out, e.servers[0].WeightVersion())
+	}
+	if n := e.requests(0, "POST /start_weight_update"); n != 3 {
+		t.Fatalf("%d starts, want 3 (the stale one, the refused one, the retry)", n)
+	}
+	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
+	// On a group that was already in use, an open session is not ours to
+	// close: the attempt fails.
+	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.broadcast(ctx, path, 2, nil); err == nil || !strings.Contains(err.Error(), "already open") {
+		t.Fatalf("got %v, want the server's refusal", err)
+	}
+}
+
+func TestInitDeadlineWhenAWorkerNeverJoins(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}})
+	e.servers[1].rcv.stall = true
+	start := time.Now()
+	_, err := e.tr.Init(e.ctx(), activities.InitTransferInput{Context: e.sc, Timeout: pipelines.Duration(300 * time.Millisecond)}, e.fleet)
+	took := time.Since(start)
+	if err == nil || !isRetryable(err) || !strings.Contains(err.Error(), "init did not complete within 300ms") {
+		t.Fatalf("got %v, want a retryable error naming the init deadline", err)
+	}
+	if took > 5*time.Second {
+		t.Fatalf("init gave up after %v", took)
+	}
+	t.Logf("error after %v: %v", took, err)
+	// The half-built group is not kept: the next broadcast initialises.
+	e.servers[1].rcv.stall = false
+	out, err := e.broadcast(e.ctx(), writeCheckpoint(t, t.TempDir(), 1), 1, nil)
+	if err != nil || !out.Initialized {
+		t.Fatalf("%+v %v", out, err)
+	}
+}
+
+func TestAnotherRunOnTheSameServersRetiresTheGroup(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}})
+	ctx := e.ctx()
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	if _, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet); err != nil {
+		t.Fatal(err)
+	}
+	// Run 2 takes the server over: vLLM keeps one communicator, so run 1's
+	// group is dead and must not be used again.
+	other := e.sc
+	other.RunID = "run-2"
+	if _, err := e.tr.Broadcast(ctx, activities.BroadcastInput{Context: other, Checkpoint: path}, e.fleet); err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.broadcast(ctx, path, 2, nil)
+	if err != nil || !out.Initialized {
+		t.Fatalf("run 1 after run 2 took its server: %+v %v", out, err)
+	}
+	if n := e.requests(0, "POST /init_weight_transfer_engine"); n != 3 {
+		t.Fatalf("%d inits, want 3", n)
+	}
+}
