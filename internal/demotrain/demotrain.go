@@ -144,12 +144,15 @@ type Options struct {
 	// move toward the corpus table (default 0.5).
 	LR float64
 	// RewardWeight scales the rollouts' advantage-weighted gradient
-	// relative to the corpus term (default 1; 0 turns it off).
+	// relative to the corpus term (0: off; the demo uses DefaultRewardWeight).
 	RewardWeight float64
 }
 
-// DefaultLR is the demo's learning rate.
-const DefaultLR = 0.5
+// The demo's settings.
+const (
+	DefaultLR           = 0.5
+	DefaultRewardWeight = 1.0
+)
 
 // Result is what one step did.
 type Result struct {
@@ -167,9 +170,6 @@ func Step(init *bigram.Model, c *Corpus, rollouts []Rollout, o Options) (*Result
 	}
 	if !(o.LR > 0 && o.LR <= 1) {
 		return nil, fmt.Errorf("learning rate %v, want 0 < lr <= 1", o.LR)
-	}
-	if o.RewardWeight == 0 {
-		o.RewardWeight = 1
 	}
 	if !(o.RewardWeight >= 0) || math.IsInf(o.RewardWeight, 0) {
 		return nil, fmt.Errorf("reward weight %v, want a finite value >= 0", o.RewardWeight)

@@ -53,7 +53,7 @@ func TestStepImprovesLossAndRewardStepAfterStep(t *testing.T) {
 	prevLoss := c.Loss(m)
 	prevReward := meanReward(c, rollouts(m, 100))
 	for step := 1; step <= 4; step++ {
-		res, err := Step(m, c, rollouts(m, uint64(step)), Options{LR: 0.5})
+		res, err := Step(m, c, rollouts(m, uint64(step)), Options{LR: 0.5, RewardWeight: DefaultRewardWeight})
 		require.NoError(t, err)
 		assert.InDelta(t, prevLoss, res.LossBefore, 1e-9)
 		reward := meanReward(c, rollouts(res.Model, 100))
@@ -94,9 +94,10 @@ func TestStepIsDeterministicAndLeavesItsInputAlone(t *testing.T) {
 	m := bigram.Random(0)
 	before := m.Checksum()
 	rs := rollouts(m, 9)
-	a, err := Step(m, c, rs, Options{})
+	o := Options{RewardWeight: DefaultRewardWeight}
+	a, err := Step(m, c, rs, o)
 	require.NoError(t, err)
-	b, err := Step(m, c, rs, Options{})
+	b, err := Step(m, c, rs, o)
 	require.NoError(t, err)
 	assert.Equal(t, a.Model.Checksum(), b.Model.Checksum())
 	assert.Equal(t, before, m.Checksum())
@@ -126,7 +127,7 @@ func TestRunWritesACheckpointTheDoubleCanLoad(t *testing.T) {
 	}
 	require.NoError(t, os.WriteFile(rs, []byte(strings.Join(lines, "\n")+"\n"), 0o644))
 	files := Files{Init: "random:0", Rollouts: rs, Corpus: filepath.Join(devtest.ModuleRoot(), "pipelines/examples/data/corpus.txt"), Out: filepath.Join(dir, "ckpt", "iter-1")}
-	res, out, err := Run(files, Options{})
+	res, out, err := Run(files, Options{RewardWeight: DefaultRewardWeight})
 	require.NoError(t, err)
 	assert.Equal(t, filepath.Join(dir, "ckpt", "iter-1"), out)
 	assert.Equal(t, 2*len(prompts), res.Rollouts)
