@@ -2,6 +2,8 @@ package activities
 
 import (
 	"context"
+	"net/http"
+	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -15,12 +17,34 @@ type Deps struct {
 	// HeartbeatEvery is the longest gap between heartbeats (default 5s; a
 	// step's heartbeat timeout shortens it).
 	HeartbeatEvery time.Duration
+	// DataDir receives the files of generate and evaluate steps that set no
+	// output path: <DataDir>/<run>/iter-<n>/<step>/.
+	DataDir string
+	// Getenv reads the worker's environment (the servers' api_key_env);
+	// nil means os.Getenv. Secrets never come from step input.
+	Getenv func(string) string
+	// HTTPClient carries every request to the vLLM servers and scorers;
+	// nil means one shared client sized for MaxConcurrency connections per
+	// server (vllm.NewHTTPClient).
+	HTTPClient *http.Client
+	// NCCL is the GPU worker's NCCL weight path; nil on control workers,
+	// where init_transfer and broadcast with the nccl backend fail at once.
+	NCCL NCCLTransfer
 }
 
 // Activities holds the control-worker activities; register it with
 // worker.RegisterActivityWithOptions per method, under the step type names.
 type Activities struct {
 	Deps
+
+	httpOnce sync.Once
+	http     *http.Client
+
+	// diskInit remembers the (run, server set) pairs whose disk transfer
+	// engine this process initialised, so broadcast initialises on first use
+	// (and again after a worker restart) without an init_transfer step.
+	diskMu   sync.Mutex
+	diskInit map[string]bool
 }
 
 // New returns the control activities.

@@ -28,10 +28,23 @@ const (
 	ErrTypeExit            = "ExitError"       // retryable: exec's command exited non-zero
 	ErrTypeSignal          = "Signaled"        // retryable: exec's command was killed by a signal
 	ErrTypeIO              = "IOError"         // retryable: local file or process trouble
+	// ErrTypeServerError: a vLLM server (or an http scorer) failed, timed
+	// out, or could not be reached: a 5xx, 408, 409, 425, 429 or a transport
+	// error. Retryable: a retried generate resumes where it stopped.
+	ErrTypeServerError = "ServerError"
+	// ErrTypeServerRejected: a server refused the request for good (400,
+	// 401, 403, 404, 405, 422, ...: a prompt over the context length, a
+	// wrong API key, dev-mode routes missing), or the client refused to send
+	// it (a payload the server's API generation cannot take). Non-retryable.
+	ErrTypeServerRejected = "ServerRejected"
+	// ErrTypeNoGPUWorker: an nccl transfer step reached a worker without
+	// the NCCL weight path (start the worker with `rlflow worker --gpu`).
+	// Non-retryable: the retry would land on the same task queue.
+	ErrTypeNoGPUWorker = "NoGPUWorker"
 )
 
 // NonRetryable lists the error types every step treats as final.
-var NonRetryable = []string{ErrTypeBadInput, ErrTypeCommandNotFound, ErrTypeOutputMissing}
+var NonRetryable = []string{ErrTypeBadInput, ErrTypeCommandNotFound, ErrTypeOutputMissing, ErrTypeServerRejected, ErrTypeNoGPUWorker}
 
 func isNonRetryable(errType string) bool {
 	for _, t := range NonRetryable {

@@ -203,12 +203,25 @@ func redacted(raw string) string {
 	return "(unparsable base URL)"
 }
 
-func defaultHTTPClient() *http.Client {
+// DefaultConnsPerHost is the idle connections per host the default client
+// keeps: generate's concurrency must not exceed it, or every request beyond
+// it opens (and later closes) a fresh TCP connection.
+const DefaultConnsPerHost = 512
+
+func defaultHTTPClient() *http.Client { return NewHTTPClient(DefaultConnsPerHost) }
+
+// NewHTTPClient returns a client for Options.HTTPClient whose transport keeps
+// up to connsPerHost idle connections to each server (at least 2), so that
+// connsPerHost concurrent requests to one server reuse their connections.
+// Share one among the Clients of a process: each transport holds its own
+// pool of connections.
+func NewHTTPClient(connsPerHost int) *http.Client {
+	connsPerHost = max(connsPerHost, 2)
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	// Generation fans out hundreds of concurrent requests to one host; the
 	// default of 2 idle connections per host would churn TCP connections.
-	t.MaxIdleConnsPerHost = 512
-	t.MaxIdleConns = 1024
+	t.MaxIdleConnsPerHost = connsPerHost
+	t.MaxIdleConns = 2 * connsPerHost
 	t.IdleConnTimeout = 90 * time.Second
 	t.ResponseHeaderTimeout = 0 // long blocking calls; deadlines come from contexts
 	return &http.Client{Transport: t}

@@ -648,3 +648,34 @@ func TestNCCLFlow(t *testing.T) {
 		}
 	}
 }
+
+func TestModels(t *testing.T) {
+	ctx := context.Background()
+	s := newServer(t, double.Config{ModelName: "m1", APIKey: "k"})
+	models, err := client(t, s, vllm.Options{APIKey: "k"}).Models(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"m1"}, models)
+
+	_, err = client(t, s, vllm.Options{APIKey: "wrong", Retry: vllm.RetryPolicy{Attempts: 1}}).Models(ctx)
+	e := vllmError(t, err)
+	assert.Equal(t, http.StatusUnauthorized, e.Status)
+	assert.Equal(t, "GET /v1/models", e.Call)
+
+	empty := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write([]byte(`{"object":"list","data":[]}`))
+	}))
+	defer empty.Close()
+	c, err := vllm.New(empty.URL, vllm.Options{})
+	require.NoError(t, err)
+	_, err = c.Models(ctx)
+	assert.ErrorContains(t, err, "lists no models")
+}
+
+func TestNewHTTPClientKeepsConcurrentConnections(t *testing.T) {
+	for _, n := range []int{0, 1, 256, 2048} {
+		tr := vllm.NewHTTPClient(n).Transport.(*http.Transport)
+		assert.GreaterOrEqual(t, tr.MaxIdleConnsPerHost, max(n, 2), "conns %d", n)
+		assert.GreaterOrEqual(t, tr.MaxIdleConns, tr.MaxIdleConnsPerHost)
+		assert.Zero(t, tr.MaxConnsPerHost, "no cap on open connections")
+	}
+}

@@ -72,3 +72,27 @@ func (c *Client) IsPaused(ctx context.Context) (bool, error) {
 	}
 	return *v.IsPaused, nil
 }
+
+// Models lists the served model names (GET /v1/models), in the server's
+// order; the first is the one a request without a model should name.
+func (c *Client) Models(ctx context.Context) ([]string, error) {
+	cl := call{method: http.MethodGet, path: "/v1/models", timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
+	var v struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if _, err := c.do(ctx, cl, &v); err != nil {
+		return nil, err
+	}
+	out := make([]string, 0, len(v.Data))
+	for _, m := range v.Data {
+		if m.ID != "" {
+			out = append(out, m.ID)
+		}
+	}
+	if len(out) == 0 {
+		return nil, c.errorf(cl, http.StatusOK, nil, "the server lists no models")
+	}
+	return out, nil
+}
