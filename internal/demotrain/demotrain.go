@@ -22,6 +22,7 @@ package demotrain
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -299,33 +300,71 @@ func LoadInit(spec string) (*bigram.Model, error) {
 	return m, nil
 }
 
-// MaxRolloutLineBytes bounds one line of a rollouts file.
-const MaxRolloutLineBytes = 16 << 20
+// MaxLineBytes bounds one line of a rollouts or prompts file.
+const MaxLineBytes = 16 << 20
 
-// ReadRollouts reads a rollouts JSONL file as the generate step writes it:
-// one object per line with the prompt and its samples (see rolloutLine).
-func ReadRollouts(path string) ([]Rollout, error) {
-	f, err := os.Open(path)
+// ReadPrompts reads a prompts JSONL file as the generate step does: one
+// object per line with "prompt" (a string) and an optional "id" (a string
+// or a number; default: the line number). It returns prompt text by id.
+func ReadPrompts(path string) (map[string]string, error) {
+	out := map[string]string{}
+	err := eachLine(path, func(n int, b []byte) error {
+		var l struct {
+			ID     json.RawMessage `json:"id"`
+			Prompt *string         `json:"prompt"`
+		}
+		if err := json.Unmarshal(b, &l); err != nil {
+			return fmt.Errorf("not a JSON object: %w", err)
+		}
+		if l.Prompt == nil {
+			return errors.New(`no "prompt" string (the demo trainer takes plain prompts, not chat messages)`)
+		}
+		id := strconv.Itoa(n)
+		if len(l.ID) > 0 && string(l.ID) != "null" {
+			var s string
+			if json.Unmarshal(l.ID, &s) != nil {
+				var num json.Number
+				if json.Unmarshal(l.ID, &num) != nil {
+					return fmt.Errorf("id must be a string or a number, got %s", l.ID)
+				}
+				s = num.String()
+			}
+			id = s
+		}
+		out[id] = *l.Prompt
+		return nil
+	})
 	if err != nil {
-		return nil, fmt.Errorf("rollouts: %w", err)
+		return nil, fmt.Errorf("prompts %w", err)
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), MaxRolloutLineBytes)
+	return out, nil
+}
+
+// ReadRollouts reads a rollouts JSONL file as the generate step writes it,
+// one sample per line ({"prompt_id", "text", ...}), and joins each sample
+// with its prompt's text.
+func ReadRollouts(path string, prompts map[string]string) ([]Rollout, error) {
 	var out []Rollout
-	for n := 1; sc.Scan(); n++ {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" {
-			continue
+	err := eachLine(path, func(n int, b []byte) error {
+		var l struct {
+			PromptID *string `json:"prompt_id"`
+			Text     *string `json:"text"`
 		}
-		rs, err := parseRolloutLine([]byte(line))
-		if err != nil {
-			return nil, fmt.Errorf("rollouts %s:%d: %w", path, n, err)
+		if err := json.Unmarshal(b, &l); err != nil {
+			return fmt.Errorf("not a JSON object: %w", err)
 		}
-		out = append(out, rs...)
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("rollouts %s: %w", path, err)
+		if l.PromptID == nil || l.Text == nil {
+			return errors.New(`want "prompt_id" and "text" strings`)
+		}
+		p, ok := prompts[*l.PromptID]
+		if !ok {
+			return fmt.Errorf("prompt_id %q is not in the prompts file", *l.PromptID)
+		}
+		out = append(out, Rollout{Prompt: p, Text: *l.Text})
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("rollouts %w", err)
 	}
 	if len(out) == 0 {
 		return nil, fmt.Errorf("rollouts %s: no samples", path)
@@ -333,39 +372,38 @@ func ReadRollouts(path string) ([]Rollout, error) {
 	return out, nil
 }
 
-// rolloutLine is one line of a rollouts file: a prompt and its samples.
-type rolloutLine struct {
-	Prompt  *string `json:"prompt"`
-	Samples []struct {
-		Text *string `json:"text"`
-	} `json:"samples"`
-}
-
-func parseRolloutLine(b []byte) ([]Rollout, error) {
-	var l rolloutLine
-	if err := json.Unmarshal(b, &l); err != nil {
-		return nil, fmt.Errorf("not a JSON object: %w", err)
+// eachLine calls f with every non-blank line of a file and its 1-based
+// number; errors read "PATH:LINE: problem".
+func eachLine(path string, f func(n int, b []byte) error) error {
+	fh, err := os.Open(path)
+	if err != nil {
+		return err
 	}
-	if l.Prompt == nil {
-		return nil, errors.New(`no "prompt" string (chat prompts are not supported by the demo trainer)`)
-	}
-	if len(l.Samples) == 0 {
-		return nil, errors.New(`no "samples"`)
-	}
-	out := make([]Rollout, 0, len(l.Samples))
-	for i, s := range l.Samples {
-		if s.Text == nil {
-			return nil, fmt.Errorf(`samples[%d]: no "text"`, i)
+	defer fh.Close()
+	sc := bufio.NewScanner(fh)
+	sc.Buffer(make([]byte, 64<<10), MaxLineBytes)
+	n := 0
+	for sc.Scan() {
+		n++
+		b := bytes.TrimSpace(sc.Bytes())
+		if len(b) == 0 {
+			continue
 		}
-		out = append(out, Rollout{Prompt: *l.Prompt, Text: *s.Text})
+		if err := f(n, b); err != nil {
+			return fmt.Errorf("%s:%d: %w", path, n, err)
+		}
 	}
-	return out, nil
+	if err := sc.Err(); err != nil {
+		return fmt.Errorf("%s:%d: %w", path, n+1, err)
+	}
+	return nil
 }
 
 // Files names the inputs and output of a demo training step on disk.
 type Files struct {
 	Init     string // checkpoint or random:SEED (see LoadInit)
-	Rollouts string // rollouts JSONL
+	Rollouts string // rollouts JSONL (generate's output)
+	Prompts  string // the prompts JSONL the rollouts were generated from
 	Corpus   string // text corpus, one text per line
 	Out      string // checkpoint directory to write
 }
@@ -388,7 +426,11 @@ func Run(f Files, o Options) (*Result, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	rs, err := ReadRollouts(f.Rollouts)
+	ps, err := ReadPrompts(f.Prompts)
+	if err != nil {
+		return nil, "", err
+	}
+	rs, err := ReadRollouts(f.Rollouts, ps)
 	if err != nil {
 		return nil, "", err
 	}

@@ -1,7 +1,7 @@
 package demotrain
 
 import (
-	"encoding/json"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -118,15 +118,18 @@ func TestStepRejectsBadOptions(t *testing.T) {
 
 func TestRunWritesACheckpointTheDoubleCanLoad(t *testing.T) {
 	dir := t.TempDir()
-	rs := filepath.Join(dir, "rollouts.jsonl")
-	var lines []string
-	for _, p := range prompts {
-		b, err := json.Marshal(map[string]any{"id": p, "prompt": p, "samples": []map[string]any{{"text": "cat sat"}, {"text": "#$%"}}})
-		require.NoError(t, err)
-		lines = append(lines, string(b))
+	var pl, rl []string
+	for i, p := range prompts {
+		pl = append(pl, fmt.Sprintf(`{"id": %d, "prompt": %q}`, i, p))
+		for k, text := range []string{"cat sat", "#$%"} {
+			rl = append(rl, fmt.Sprintf(`{"prompt_id": "%d", "sample": %d, "text": %q, "finish_reason": "length"}`, i, k, text))
+		}
 	}
-	require.NoError(t, os.WriteFile(rs, []byte(strings.Join(lines, "\n")+"\n"), 0o644))
-	files := Files{Init: "random:0", Rollouts: rs, Corpus: filepath.Join(devtest.ModuleRoot(), "pipelines/examples/data/corpus.txt"), Out: filepath.Join(dir, "ckpt", "iter-1")}
+	ps := filepath.Join(dir, "prompts.jsonl")
+	rs := filepath.Join(dir, "rollouts.jsonl")
+	require.NoError(t, os.WriteFile(ps, []byte(strings.Join(pl, "\n")+"\n"), 0o644))
+	require.NoError(t, os.WriteFile(rs, []byte(strings.Join(rl, "\n")+"\n"), 0o644))
+	files := Files{Init: "random:0", Rollouts: rs, Prompts: ps, Corpus: filepath.Join(devtest.ModuleRoot(), "pipelines/examples/data/corpus.txt"), Out: filepath.Join(dir, "ckpt", "iter-1")}
 	res, out, err := Run(files, Options{RewardWeight: DefaultRewardWeight})
 	require.NoError(t, err)
 	assert.Equal(t, filepath.Join(dir, "ckpt", "iter-1"), out)
@@ -149,16 +152,26 @@ func TestBadInputsNameThePlace(t *testing.T) {
 		require.NoError(t, os.WriteFile(p, []byte(text), 0o644))
 		return p
 	}
+	ps := map[string]string{"a": "the "}
 	for text, want := range map[string]string{
-		"{\"prompt\": \"a\", \"samples\": [{\"text\": \"b\"}]}\nnot json\n": "bad.jsonl:2: not a JSON object",
-		"{\"messages\": []}\n":                     `bad.jsonl:1: no "prompt"`,
-		"{\"prompt\": \"a\"}\n":                    `bad.jsonl:1: no "samples"`,
-		"{\"prompt\": \"a\", \"samples\": [{}]}\n": `bad.jsonl:1: samples[0]: no "text"`,
+		"{\"prompt_id\": \"a\", \"text\": \"b\"}\nnot json\n": "bad.jsonl:2: not a JSON object",
+		"{\"prompt_id\": \"a\"}\n":                            "bad.jsonl:1: want \"prompt_id\" and \"text\"",
+		"{\"prompt_id\": \"z\", \"text\": \"b\"}\n":           `bad.jsonl:1: prompt_id "z" is not in the prompts file`,
 		"\n\n": "bad.jsonl: no samples",
 	} {
-		_, err := ReadRollouts(write("bad.jsonl", text))
+		_, err := ReadRollouts(write("bad.jsonl", text), ps)
 		assert.ErrorContains(t, err, want)
 	}
+	for text, want := range map[string]string{
+		"{\"messages\": []}\n":               `p.jsonl:1: no "prompt"`,
+		"\n{\"id\": [1], \"prompt\": \"x\"}": "p.jsonl:2: id must be",
+	} {
+		_, err := ReadPrompts(write("p.jsonl", text))
+		assert.ErrorContains(t, err, want)
+	}
+	got, err := ReadPrompts(write("p.jsonl", "{\"prompt\": \"x\"}\n\n{\"id\": 7, \"prompt\": \"y\"}\n"))
+	require.NoError(t, err)
+	assert.Equal(t, map[string]string{"1": "x", "7": "y"}, got)
 	for spec, want := range map[string]string{
 		"random:x":                     "want random:SEED",
 		filepath.Join(dir, "nope"):     "init: bigram:",
@@ -167,6 +180,6 @@ func TestBadInputsNameThePlace(t *testing.T) {
 		_, err := LoadInit(spec)
 		assert.ErrorContains(t, err, want, spec)
 	}
-	_, err := LoadCorpus(write("blank.txt", "\n \n"))
+	_, err = LoadCorpus(write("blank.txt", "\n \n"))
 	assert.ErrorContains(t, err, "blank.txt")
 }
