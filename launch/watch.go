@@ -19,6 +19,10 @@ type WatchOptions struct {
 	// Total is the number of iterations expected (0 = unknown, for until).
 	Total    int
 	Interval time.Duration
+	// OnIteration, when set, is called once per successful iteration, in
+	// order, with the iteration's result (every step's outputs) as soon as
+	// the watch sees it done.
+	OnIteration func(workflows.IterationResult)
 }
 
 // Watch prints step transitions of a run as they happen and returns the
@@ -53,7 +57,25 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		close(done)
 	}()
 	seen := map[string]string{}
-	lastIter, lastDone := 0, 0
+	lastIter, lastDone, reported := 0, 0, 0
+	// report hands every iteration up to done to OnIteration; a finished
+	// iteration's child workflow answers Get at once.
+	report := func(done int) {
+		for ; o.OnIteration != nil && reported < done; reported++ {
+			var ir workflows.IterationResult
+			if err := c.GetWorkflow(ctx, workflows.IterationWorkflowID(run.GetID(), reported+1), "").Get(ctx, &ir); err != nil {
+				say("  (iteration %d result unavailable: %v)", reported+1, err)
+				continue
+			}
+			if bar != nil {
+				_ = bar.Clear()
+			}
+			o.OnIteration(ir)
+			if bar != nil {
+				_ = bar.RenderBlank()
+			}
+		}
+	}
 	t := time.NewTicker(o.Interval)
 	defer t.Stop()
 	poll := func() {
@@ -97,6 +119,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			}
 			say("%s", line)
 		}
+		report(p.IterationsDone)
 	}
 	for {
 		select {
@@ -108,6 +131,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			if runErr != nil {
 				return nil, runErr
 			}
+			report(res.Iterations)
 			return &res, nil
 		case <-t.C:
 			poll()

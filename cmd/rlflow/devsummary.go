@@ -1,0 +1,76 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"path/filepath"
+	"strings"
+
+	"github.com/rlflow/rlflow/internal/demotrain"
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/workflows"
+)
+
+// demoSummary prints, after each iteration of a dev run, one sample of each
+// generate step (the demo's before/after text) and each evaluate step's
+// score, and at the end the scores of every iteration.
+type demoSummary struct {
+	spec   *pipelines.Pipeline
+	out    io.Writer
+	scores []string
+}
+
+// samplesShown is how many samples of a generate step the summary prints.
+const samplesShown = 2
+
+func (d *demoSummary) iteration(ir workflows.IterationResult) {
+	fmt.Fprintf(d.out, "── iteration %d ──\n", ir.Iteration)
+	for _, s := range ir.Steps {
+		if s.Status != workflows.StatusSucceeded {
+			continue
+		}
+		switch s.Uses {
+		case pipelines.StepGenerate:
+			for _, line := range d.samples(s) {
+				fmt.Fprintf(d.out, "  %-8s %s\n", s.ID, line)
+			}
+		case pipelines.StepEvaluate:
+			score := fmt.Sprint(s.Outputs["score"])
+			fmt.Fprintf(d.out, "  %-8s score %s (%v samples)\n", s.ID, score, s.Outputs["samples"])
+			d.scores = append(d.scores, fmt.Sprintf("%d: %s", ir.Iteration, score))
+		}
+	}
+}
+
+// samples reads the first rollouts of a generate step, joined with their
+// prompts; a problem is shown in place of the samples.
+func (d *demoSummary) samples(s workflows.StepResult) []string {
+	path, _ := s.Outputs["path"].(string)
+	step, ok := d.spec.StepByID(s.ID)
+	prompts, _ := step.With["prompts"].(string)
+	if !ok || path == "" || prompts == "" || strings.Contains(prompts, "${{") {
+		return nil
+	}
+	if !filepath.IsAbs(prompts) {
+		prompts = filepath.Join(d.spec.BaseDir, prompts)
+	}
+	ps, err := demotrain.ReadPrompts(prompts)
+	if err != nil {
+		return []string{fmt.Sprintf("(samples unavailable: %v)", err)}
+	}
+	rs, err := demotrain.ReadRollouts(path, ps)
+	if err != nil {
+		return []string{fmt.Sprintf("(samples unavailable: %v)", err)}
+	}
+	var out []string
+	for _, r := range rs[:min(samplesShown, len(rs))] {
+		out = append(out, fmt.Sprintf("%q -> %q", r.Prompt, r.Text))
+	}
+	return out
+}
+
+func (d *demoSummary) finish() {
+	if len(d.scores) > 0 {
+		fmt.Fprintf(d.out, "eval score by iteration: %s\n", strings.Join(d.scores, ", "))
+	}
+}
