@@ -310,6 +310,11 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 	}
 	defer pw.f.Close()
 	total := len(g.set.prompts)
+	// Read before the writer starts: from then on it owns pw.blocks.
+	skip := make([]bool, total)
+	for idx := range skip {
+		skip[idx] = pw.has(idx)
+	}
 
 	start := time.Now()
 	runCtx, cancel := context.WithCancelCause(ctx)
@@ -352,7 +357,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 	}
 feed:
 	for idx := range g.set.prompts {
-		if pw.has(idx) {
+		if skip[idx] {
 			continue
 		}
 		p := &pending{rows: make([]Rollout, g.n)}

@@ -275,6 +275,12 @@ func Reference() string {
 	for _, name := range StepTypeNames() {
 		t, _ := LookupStepType(name)
 		w("### %s\n\n%s\n\n", t.Name, t.Doc)
+		switch {
+		case t.NeedsServers && t.NeedsWeightTransfer:
+			w("Needs the pipeline's `servers:` and `weight_transfer:`.\n\n")
+		case t.NeedsServers:
+			w("Needs the pipeline's `servers:`.\n\n")
+		}
 		if len(t.Args) == 0 {
 			w("No arguments.\n\n")
 		} else {

@@ -39,6 +39,12 @@ type StepType struct {
 	// Validate runs extra checks on the raw `with` values that the kinds
 	// cannot express; it returns problems keyed by argument name.
 	Validate func(with map[string]any) map[string]string
+	// NeedsServers: the step calls the pipeline's vLLM servers, so a
+	// pipeline using it without servers: is invalid.
+	NeedsServers bool
+	// NeedsWeightTransfer: the step moves weights with the pipeline's
+	// weight_transfer backend, so it must be configured.
+	NeedsWeightTransfer bool
 }
 
 // Arg returns the spec of the named argument.

@@ -1,5 +1,7 @@
 package pipelines
 
+import "strings"
+
 // The RLHF step types: they talk to the pipeline's vLLM servers (servers:)
 // and move weights to them (weight_transfer:). Their activities live in
 // package activities; init_transfer and broadcast with the nccl backend run
@@ -35,41 +37,70 @@ var samplingArgs = []ArgSpec{
 	{Name: "output", Kind: KindString, Doc: "output JSONL path (default: under the worker's data dir, per run/iteration/step)"},
 }
 
+// timeoutArg bounds each server's call of a control step.
+var timeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Doc: "deadline of each server's call (default 30s)"}
+
+// validateScorer is evaluate's Validate hook: the scorer object's type,
+// keys and values (a bad regex, a missing url or pattern).
+func validateScorer(with map[string]any) map[string]string {
+	m, ok := with["scorer"].(map[string]any)
+	if !ok {
+		return nil // a ${{ }} expression: checked when the step runs
+	}
+	if probs := ScorerProblems(m, false); len(probs) > 0 {
+		return map[string]string{"scorer": strings.Join(probs, "; ")}
+	}
+	return nil
+}
+
 func init() {
 	RegisterStepType(&StepType{
-		Name:    StepGenerate,
-		Doc:     "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically.",
-		Args:    samplingArgs,
-		Outputs: []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version"},
+		Name:         StepGenerate,
+		Doc:          "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically.",
+		Args:         samplingArgs,
+		Outputs:      []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version", "resumed"},
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
 		Name: StepEvaluate,
 		Doc:  "Generates from an eval set (prompts JSONL whose lines carry an \"answer\") and scores every sample with the scorer; writes a per-sample JSONL.",
 		Args: append(append([]ArgSpec(nil), samplingArgs...),
-			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "{type: exact_match|contains|regex|numeric|http|judge, ...}"},
+			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "{type: exact_match|contains|regex|numeric|http|judge, ...}: exact_match and contains (ignore_case), regex (pattern; its first capture group is compared with the answer, or any match scores 1), numeric (the last number in the text vs the answer, tolerance), http (url, api_key_env, concurrency, timeout: POSTs {prompt, completion, answer, id}, wants {\"score\": number}), judge (rubric with {prompt} {completion} {answer}, scale, model, max_tokens, url, api_key_env, concurrency, timeout: a reply without a number in [0, scale] scores 0 and counts in unparsed)"},
 		),
-		Outputs: []string{"score", "samples", "path", "min", "max", "weight_version"},
+		Outputs:      []string{"score", "samples", "path", "min", "max", "weight_version", "unparsed", "resumed"},
+		Validate:     validateScorer,
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
-		Name:    StepPause,
-		Doc:     "Pauses generation on every server, in parallel. If some servers fail, the ones paused are resumed and the error names each failure.",
-		Args:    []ArgSpec{{Name: "mode", Kind: KindString, Enum: []string{"abort", "wait", "keep"}, Doc: "abort in-flight requests (vLLM's default), wait for them, or keep them queued"}},
-		Outputs: []string{"servers"},
+		Name: StepPause,
+		Doc:  "Pauses generation on every server, in parallel. If some servers fail, the ones paused are resumed and the error names each failure.",
+		Args: []ArgSpec{
+			{Name: "mode", Kind: KindString, Enum: []string{"abort", "wait", "keep"}, Doc: "abort in-flight requests (vLLM's default), wait for them, or keep them queued"},
+			{Name: "timeout", Kind: KindDuration, Doc: "deadline of each server's pause (default 30s; 10m for mode wait)"},
+		},
+		Outputs:      []string{"servers"},
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
-		Name:    StepResume,
-		Doc:     "Resumes generation on every server, in parallel (each is tried even if another fails). Mark it always: true after a pause so vLLM is never left paused.",
-		Outputs: []string{"servers"},
+		Name:         StepResume,
+		Doc:          "Resumes generation on every server, in parallel (each is tried even if another fails). Mark it always: true after a pause so vLLM is never left paused.",
+		Args:         []ArgSpec{timeoutArg},
+		Outputs:      []string{"servers"},
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
-		Name:    StepIsPaused,
-		Doc:     "Reports whether the servers are paused.",
-		Outputs: []string{"paused", "paused_servers"},
+		Name:         StepIsPaused,
+		Doc:          "Reports whether the servers are paused: paused is true when any server is, paused_servers counts them.",
+		Args:         []ArgSpec{timeoutArg},
+		Outputs:      []string{"paused", "paused_servers"},
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
-		Name:    StepWorldSize,
-		Doc:     "Asks every server for its world size (DP included): the NCCL group is 1 + their sum, with cumulative rank offsets.",
-		Outputs: []string{"world_size"},
+		Name:         StepWorldSize,
+		Doc:          "Asks every server for its world size (DP included): the NCCL group is 1 + their sum, with cumulative rank offsets.",
+		Args:         []ArgSpec{timeoutArg},
+		Outputs:      []string{"world_size"},
+		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
 		Name: StepInitTransfer,
@@ -79,7 +110,9 @@ func init() {
 			{Name: "master_port", Kind: KindInt, Doc: "TCPStore port (nccl; default: a free port, fresh on every init)"},
 			{Name: "timeout", Kind: KindDuration, Doc: "deadline of the init (default 5m)"},
 		},
-		Outputs: []string{"world_size", "backend", "group"},
+		Outputs:             []string{"world_size", "backend", "group"},
+		NeedsServers:        true,
+		NeedsWeightTransfer: true,
 	})
 	RegisterStepType(&StepType{
 		Name: StepBroadcast,
@@ -91,6 +124,8 @@ func init() {
 			{Name: "update_timeout", Kind: KindDuration, Doc: "deadline of update_weights (default scales with the checkpoint size)"},
 			{Name: "verify", Kind: KindBool, Doc: "check the servers' weight version afterwards (C/D)"},
 		},
-		Outputs: []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "initialized"},
+		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "initialized"},
+		NeedsServers:        true,
+		NeedsWeightTransfer: true,
 	})
 }

@@ -145,6 +145,7 @@ func (l *loader) checkSteps() {
 		s := &p.Steps[i]
 		path := indexPath("steps", i)
 		t := l.checkUses(s, path)
+		l.checkNeedsConfig(t, path)
 		l.checkNeeds(s, path, first, ids)
 		l.checkOutputs(s, t, path)
 		if t != nil {
@@ -179,6 +180,20 @@ func (l *loader) checkUses(s *Step, path string) *StepType {
 		return nil
 	}
 	return t
+}
+
+// checkNeedsConfig reports a step whose type needs pipeline-level
+// configuration (servers:, weight_transfer:) that the pipeline lacks.
+func (l *loader) checkNeedsConfig(t *StepType, path string) {
+	if t == nil {
+		return
+	}
+	if t.NeedsServers && len(l.p.Servers) == 0 {
+		l.errPath(path+".uses", "%s steps call the pipeline's vLLM servers, but it has no servers: (add servers: [{url: http://host:8000}])", t.Name)
+	}
+	if t.NeedsWeightTransfer && l.p.WeightTransfer == nil {
+		l.errPath(path+".uses", "%s steps need the pipeline's weight_transfer: (add weight_transfer: {backend: nccl} or {backend: disk})", t.Name)
+	}
 }
 
 func (l *loader) checkNeeds(s *Step, path string, first map[string]int, ids []string) {

@@ -1,0 +1,195 @@
+package activities
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/converter"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/rlflow/rlflow/vllm"
+	"github.com/rlflow/rlflow/vllm/double"
+)
+
+// waitUntil polls cond every 5 ms for up to 10 s.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestGenerateResumesAfterCancel runs attempt 1 until about 40% of the
+// prompts are done, cancels it, and runs attempt 2 with the heartbeat
+// details Temporal would hand it: attempt 2 must skip the finished prompts.
+func TestGenerateResumesAfterCancel(t *testing.T) {
+	const prompts = 1000
+	d := newDouble(t, double.Config{DevMode: true, Latency: 5 * time.Millisecond})
+	a := newActivities(t)
+	sc := stepContext(t, "rollout", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "prompts.jsonl", promptLines(prompts)...), MaxTokens: 4, Concurrency: 10}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		_, err := a.Generate(ctx, in)
+		errc <- err
+	}()
+	waitUntil(t, "40% of the prompts", func() bool { return d.Stats().Completions >= prompts*4/10 })
+	cancel()
+	err := <-errc
+	require.ErrorIs(t, err, context.Canceled)
+	partial := a.DataDir + "/run-1/iter-2/rollout/rollouts.jsonl.partial"
+	pw, done, err := resumePartial(partial, mustGenRun(t, a, in).fingerprint, mustGenRun(t, a, in).set, 1)
+	require.NoError(t, err)
+	pw.f.Close()
+	require.Greater(t, done, prompts*3/10, "attempt 1 kept its finished prompts")
+
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	env.RegisterActivity(a.Generate)
+	env.SetHeartbeatDetails(GenerateProgress{Partial: partial, Done: done, Total: prompts})
+	var mu sync.Mutex
+	var beats []GenerateProgress
+	env.SetOnActivityHeartbeatListener(func(_ *activity.Info, details converter.EncodedValues) {
+		var p GenerateProgress
+		if details.Get(&p) == nil {
+			mu.Lock()
+			beats = append(beats, p)
+			mu.Unlock()
+		}
+	})
+	val, err := env.ExecuteActivity(a.Generate, in)
+	require.NoError(t, err)
+	var out GenerateOutput
+	require.NoError(t, val.Get(&out))
+	assert.Equal(t, done, out.Resumed)
+	assert.Equal(t, prompts, out.Samples)
+	rows := readRollouts(t, out.Path)
+	require.Len(t, rows, prompts)
+	for i, r := range rows {
+		require.Equal(t, fmt.Sprintf("p%d", i), r.PromptID)
+	}
+	twice := 0
+	for _, n := range d.Stats().Prompts {
+		if n > 1 {
+			twice++
+		}
+	}
+	assert.LessOrEqual(t, twice, prompts*5/100, "prompts requested twice")
+	t.Logf("resumed %d of %d prompts; %d requested twice", done, prompts, twice)
+	mu.Lock()
+	defer mu.Unlock()
+	// The SDK throttles heartbeats, so not every one arrives; those that do
+	// carry the partial file and a count that never goes back.
+	require.NotEmpty(t, beats)
+	for i, b := range beats {
+		assert.Equal(t, partial, b.Partial)
+		assert.Equal(t, prompts, b.Total)
+		assert.GreaterOrEqual(t, b.Done, done)
+		if i > 0 {
+			assert.GreaterOrEqual(t, b.Done, beats[i-1].Done)
+		}
+	}
+}
+
+func mustGenRun(t *testing.T, a *Activities, in GenerateInput) *genRun {
+	t.Helper()
+	g, err := a.newGenRun(context.Background(), "generate", &in, "rollouts.jsonl", false, nil)
+	require.NoError(t, err)
+	return g
+}
+
+func TestResumePartialCutsTornAndForeignTails(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	a := newActivities(t)
+	sc := stepContext(t, "g", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(3)...), N: 2}
+	g := mustGenRun(t, a, in)
+	path := sc.BaseDir + "/x.partial"
+	row := func(id string, k int) string { return fmt.Sprintf(`{"prompt_id":%q,"sample":%d,"text":"t"}`+"\n", id, k) }
+	header := fmt.Sprintf(`{"rlflow_partial":1,"fingerprint":%q}`+"\n", g.fingerprint)
+	cases := []struct {
+		name, body string
+		done       int
+	}{
+		{"complete blocks", header + row("p1", 0) + row("p1", 1) + row("p0", 0) + row("p0", 1), 2},
+		{"half a block", header + row("p1", 0) + row("p1", 1) + row("p0", 0), 1},
+		{"torn line", header + row("p1", 0) + row("p1", 1) + `{"prompt_id":"p0","sam`, 1},
+		{"unknown id", header + row("zz", 0) + row("zz", 1) + row("p0", 0) + row("p0", 1), 0},
+		{"mixed block", header + row("p1", 0) + row("p0", 1), 0},
+		{"repeated prompt", header + row("p1", 0) + row("p1", 1) + row("p1", 0) + row("p1", 1), 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			require.NoError(t, os.WriteFile(path, []byte(c.body), 0o644))
+			pw, done, err := resumePartial(path, g.fingerprint, g.set, 2)
+			require.NoError(t, err)
+			defer pw.f.Close()
+			assert.Equal(t, c.done, done)
+			st, err := os.Stat(path)
+			require.NoError(t, err)
+			assert.Equal(t, pw.off, st.Size(), "cut after the last complete block")
+		})
+	}
+	require.NoError(t, os.WriteFile(path, []byte(`{"rlflow_partial":1,"fingerprint":"other"}`+"\n"+row("p0", 0)), 0o644))
+	_, _, err := resumePartial(path, g.fingerprint, g.set, 2)
+	assert.ErrorContains(t, err, "made from other inputs")
+	require.NoError(t, os.WriteFile(path, []byte(row("p0", 0)), 0o644))
+	_, _, err = resumePartial(path, g.fingerprint, g.set, 2)
+	assert.ErrorContains(t, err, "no partial-file header")
+}
+
+// TestGenerateRetriesAbortedSamples pauses the server (mode abort) while
+// every request is in flight, resumes it later: the aborted samples are
+// generated again, none is written with finish reason "abort".
+func TestGenerateRetriesAbortedSamples(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true, Latency: 300 * time.Millisecond})
+	a := newActivities(t)
+	sc := stepContext(t, "g", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(4)...), N: 2, MaxTokens: 8}
+	c, err := vllm.New(d.URL, vllm.Options{})
+	require.NoError(t, err)
+	type result struct {
+		out *GenerateOutput
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		out, err := a.Generate(context.Background(), in)
+		res <- result{out, err}
+	}()
+	waitUntil(t, "all 8 sequences in flight", func() bool { return d.Stats().Requests["POST /v1/completions"] >= 8 })
+	require.NoError(t, c.Pause(context.Background(), vllm.PauseAbort))
+	waitUntil(t, "aborts", func() bool { return d.Stats().Aborted == 8 })
+	require.NoError(t, c.UpdateWeightVersion(context.Background(), "after-pause"))
+	time.Sleep(150 * time.Millisecond) // the retries wait on the paused server
+	select {
+	case r := <-res:
+		t.Fatalf("generate finished while paused: %+v %v", r.out, r.err)
+	default:
+	}
+	require.NoError(t, c.Resume(context.Background()))
+	r := <-res
+	require.NoError(t, r.err)
+	for _, row := range readRollouts(t, r.out.Path) {
+		assert.NotEqual(t, "abort", row.FinishReason)
+		assert.Equal(t, "after-pause", row.WeightVersion, "the version is read again after an abort")
+	}
+	assert.Equal(t, "after-pause", r.out.WeightVersion)
+	assert.Equal(t, 8, d.Stats().Completions)
+	for p, n := range d.Stats().Prompts {
+		assert.Equal(t, 4, n, "prompt %q: 2 samples, each sent twice", p)
+	}
+}

@@ -1,0 +1,184 @@
+package activities
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/vllm/double"
+)
+
+func TestGenerateTwoServers(t *testing.T) {
+	ctx := context.Background()
+	d1 := newDouble(t, double.Config{DevMode: true, Seed: 1})
+	d2 := newDouble(t, double.Config{DevMode: true, Seed: 1}) // the same weights, as in a real fleet
+	// The weight version comes from GET /weight_info.
+	for _, d := range []*testDouble{d1, d2} {
+		c, err := New(Deps{}).client(pipelines.Server{URL: d.URL}, vllmTimeouts())
+		require.NoError(t, err)
+		require.NoError(t, c.UpdateWeightVersion(ctx, "v7"))
+	}
+	a := newActivities(t)
+	sc := stepContext(t, "rollout", d1, d2)
+	writeLines(t, sc.BaseDir, "prompts.jsonl", promptLines(10)...)
+	seed := 5
+	out, err := a.Generate(ctx, GenerateInput{Context: sc, Prompts: "prompts.jsonl", N: 3, MaxTokens: 8, Seed: &seed, Logprobs: 2, Concurrency: 4})
+	require.NoError(t, err)
+
+	assert.Equal(t, filepath.Join(a.DataDir, "run-1", "iter-2", "rollout", "rollouts.jsonl"), out.Path)
+	assert.Equal(t, 10, out.Prompts)
+	assert.Equal(t, 30, out.Samples)
+	assert.Equal(t, "v7", out.WeightVersion)
+	assert.Zero(t, out.Resumed)
+	assert.Positive(t, out.TokensPerS)
+	rows := readRollouts(t, out.Path)
+	require.Len(t, rows, 30)
+	var tokens int64
+	for i, r := range rows {
+		assert.Equal(t, fmt.Sprintf("p%d", i/3), r.PromptID, "prompt order")
+		assert.Equal(t, i%3, r.Sample)
+		assert.NotEmpty(t, r.FinishReason)
+		assert.Equal(t, len(fmt.Sprintf("prompt number %d: ", i/3)), r.PromptTokens)
+		assert.Len(t, r.Logprobs, r.CompletionTokens, "one logprob per token")
+		assert.Equal(t, "v7", r.WeightVersion)
+		tokens += int64(r.CompletionTokens)
+	}
+	assert.Equal(t, tokens, out.CompletionTokens)
+	// Round robin: both servers served half the samples.
+	assert.Equal(t, 15, d1.Stats().Completions)
+	assert.Equal(t, 15, d2.Stats().Completions)
+	_, err = os.Stat(out.Path + ".partial")
+	assert.True(t, os.IsNotExist(err), "the partial file is removed")
+
+	// Seeds are per sample: the same step again gives the same texts.
+	again, err := a.Generate(ctx, GenerateInput{Context: sc, Prompts: "prompts.jsonl", N: 3, MaxTokens: 8, Seed: &seed, Output: "again.jsonl"})
+	require.NoError(t, err)
+	for i, r := range readRollouts(t, again.Path) {
+		assert.Equal(t, rows[i].Text, r.Text)
+		assert.Nil(t, r.Logprobs)
+	}
+}
+
+func TestGenerateBadPrompts(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	cases := []struct {
+		name  string
+		lines []string
+		want  string
+	}{
+		{"not json", []string{`{"prompt": "a"}`, `{"prompt": `}, "prompts.jsonl:2: not a JSON object"},
+		{"no prompt", []string{`{"id": 1, "text": "a"}`}, `prompts.jsonl:1: needs "prompt" (a string) or "messages"`},
+		{"both", []string{`{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}`}, "prompts.jsonl:1: has both prompt and messages"},
+		{"prompt not string", []string{``, `{"prompt": 3}`}, "prompts.jsonl:2: prompt must be a string, got 3"},
+		{"empty prompt", []string{`{"prompt": ""}`}, "prompts.jsonl:1: prompt is empty"},
+		{"bad messages", []string{`{"messages": []}`}, "prompts.jsonl:1: messages must be a non-empty list"},
+		{"bad role", []string{`{"messages": [{"content": "x"}]}`}, "prompts.jsonl:1: messages[0].role must be a non-empty string"},
+		{"bad content", []string{`{"messages": [{"role": "user", "content": [1]}]}`}, "prompts.jsonl:1: messages[0].content must be a string"},
+		{"bad id", []string{`{"id": {}, "prompt": "a"}`}, "prompts.jsonl:1: id must be a non-empty string or a number"},
+		{"duplicate id", []string{`{"id": "x", "prompt": "a"}`, `{"id": "x", "prompt": "b"}`}, `prompts.jsonl:2: id "x" repeats line 1`},
+		{"implicit id clash", []string{`{"id": "2", "prompt": "a"}`, `{"prompt": "b"}`}, `prompts.jsonl:2: id "2" repeats line 1`},
+		{"empty", []string{``}, "prompts.jsonl: no prompts"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			sc := stepContext(t, "g", d)
+			writeLines(t, sc.BaseDir, "prompts.jsonl", c.lines...)
+			_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "prompts.jsonl"})
+			assert.Equal(t, ErrTypeBadInput, errType(t, err))
+			assert.Contains(t, err.Error(), filepath.Join(sc.BaseDir, c.want))
+		})
+	}
+	assert.Zero(t, d.Stats().Requests["POST /v1/completions"], "nothing is sent for a bad file")
+
+	sc := stepContext(t, "g", d)
+	_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "missing.jsonl"})
+	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.ErrorContains(t, err, "missing.jsonl: no such file")
+}
+
+func TestGenerateChatAndImplicitIDs(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	sc := stepContext(t, "g", d)
+	writeLines(t, sc.BaseDir, "chat.jsonl",
+		`{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}], "meta": {"ignored": true}}`,
+		``,
+		`{"id": 42, "prompt": "plain"}`)
+	out, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "chat.jsonl", MaxTokens: 4, Logprobs: 1})
+	require.NoError(t, err)
+	rows := readRollouts(t, out.Path)
+	require.Len(t, rows, 2)
+	assert.Equal(t, "1", rows[0].PromptID, "no id: the line number")
+	assert.Equal(t, "42", rows[1].PromptID)
+	assert.Equal(t, len("be brief\nhello\n"), rows[0].PromptTokens, "the double's chat template")
+	assert.Len(t, rows[0].Logprobs, rows[0].CompletionTokens)
+	st := d.Stats()
+	assert.Equal(t, 1, st.Requests["POST /v1/chat/completions"])
+	assert.Equal(t, 1, st.Requests["POST /v1/completions"])
+}
+
+func TestGenerateErrors(t *testing.T) {
+	ok := newDouble(t, double.Config{DevMode: true})
+	keyed := newDouble(t, double.Config{DevMode: true, APIKey: "sekret"})
+	short := newDouble(t, double.Config{DevMode: true, MaxModelLen: 20})
+	failing := newDouble(t, double.Config{DevMode: true, Faults: double.Faults{ErrorRate: map[string]float64{"/v1/completions": 1}}})
+	conflict := statusServer(t, "/v1/completions", 409, `{"detail": "busy"}`, ok.Handler())
+	cases := []struct {
+		name    string
+		servers []pipelines.Server
+		env     map[string]string
+		in      GenerateInput
+		typ     string
+		want    []string
+	}{
+		{name: "no servers", typ: ErrTypeBadInput, want: []string{"generate: the pipeline has no servers"}},
+		{name: "api key unset", servers: []pipelines.Server{{URL: keyed.URL, APIKeyEnv: "VLLM_KEY"}}, typ: ErrTypeBadInput,
+			want: []string{"servers[0] (" + keyed.URL + "): api_key_env names VLLM_KEY, which is not set"}},
+		{name: "api key wrong", servers: []pipelines.Server{{URL: keyed.URL, APIKeyEnv: "VLLM_KEY"}}, env: map[string]string{"VLLM_KEY": "nope"},
+			typ: ErrTypeServerRejected, want: []string{keyed.URL, "GET /v1/models", "HTTP 401", "Unauthorized"}},
+		{name: "bad api pin", servers: []pipelines.Server{{URL: ok.URL, API: "Z"}}, typ: ErrTypeBadInput, want: []string{`unknown vLLM API generation "Z"`}},
+		{name: "400 context length", servers: servers(short), in: GenerateInput{MaxTokens: 16}, typ: ErrTypeServerRejected,
+			want: []string{"prompts.jsonl:1 (id p0) sample 0", short.URL, "POST /v1/completions: HTTP 400", "maximum context length is 20"}},
+		{name: "404 model", servers: servers(ok), in: GenerateInput{Model: "nope"}, typ: ErrTypeServerRejected,
+			want: []string{"POST /v1/completions: HTTP 404", "The model `nope` does not exist"}},
+		{name: "500", servers: servers(failing), typ: ErrTypeServerError,
+			want: []string{failing.URL, "POST /v1/completions: HTTP 500", "injected fault"}},
+		{name: "409", servers: []pipelines.Server{{URL: conflict}}, typ: ErrTypeServerError, want: []string{"HTTP 409: busy"}},
+		{name: "bad n", servers: servers(ok), in: GenerateInput{N: -1}, typ: ErrTypeBadInput, want: []string{"n -1"}},
+		{name: "bad concurrency", servers: servers(ok), in: GenerateInput{Concurrency: MaxConcurrency + 1}, typ: ErrTypeBadInput, want: []string{"concurrency 1025, want 1..1024"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			a := newActivities(t)
+			a.Getenv = func(k string) string { return c.env[k] }
+			in := c.in
+			in.Context = pipelines.StepContext{RunID: "r", StepID: "g", BaseDir: t.TempDir(), Servers: c.servers}
+			in.Prompts = writeLines(t, in.Context.BaseDir, "prompts.jsonl", promptLines(2)...)
+			_, err := a.Generate(context.Background(), in)
+			assert.Equal(t, c.typ, errType(t, err), "%v", err)
+			for _, w := range c.want {
+				assert.Contains(t, err.Error(), w)
+			}
+		})
+	}
+	// A transient failure is retried within the attempt before it fails it
+	// (two prompts in flight: each is tried at most 1+transientRetries times).
+	faults := failing.Stats().Faults["error"]
+	assert.GreaterOrEqual(t, faults, 1+transientRetries)
+	assert.LessOrEqual(t, faults, 2*(1+transientRetries))
+}
+
+func TestGenerateAPIKeyFromWorkerEnv(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true, APIKey: "sekret"})
+	a := newActivities(t)
+	a.Getenv = func(k string) string { return map[string]string{"VLLM_KEY": "sekret"}[k] }
+	sc := pipelines.StepContext{RunID: "r", StepID: "g", BaseDir: t.TempDir(), Servers: []pipelines.Server{{URL: d.URL, APIKeyEnv: "VLLM_KEY", API: "d"}}}
+	out, err := a.Generate(context.Background(), GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(3)...)})
+	require.NoError(t, err)
+	assert.Equal(t, 3, out.Samples)
+}
