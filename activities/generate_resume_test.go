@@ -118,7 +118,9 @@ func TestResumePartialCutsTornAndForeignTails(t *testing.T) {
 	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(3)...), N: 2}
 	g := mustGenRun(t, a, in)
 	path := sc.BaseDir + "/x.partial"
-	row := func(id string, k int) string { return fmt.Sprintf(`{"prompt_id":%q,"sample":%d,"text":"t"}`+"\n", id, k) }
+	row := func(id string, k int) string {
+		return fmt.Sprintf(`{"prompt_id":%q,"sample":%d,"text":"t"}`+"\n", id, k)
+	}
 	header := fmt.Sprintf(`{"rlflow_partial":1,"fingerprint":%q}`+"\n", g.fingerprint)
 	cases := []struct {
 		name, body string
