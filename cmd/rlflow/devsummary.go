@@ -42,7 +42,7 @@ func (d *demoSummary) iteration(ir workflows.IterationResult) {
 	}
 }
 
-// samples reads the first rollouts of a generate step, joined with their
+// samples reads one rollout of each of the first prompts of a generate step, joined with their
 // prompts; a problem is shown in place of the samples.
 func (d *demoSummary) samples(s workflows.StepResult) []string {
 	path, _ := s.Outputs["path"].(string)
@@ -63,8 +63,15 @@ func (d *demoSummary) samples(s workflows.StepResult) []string {
 		return []string{fmt.Sprintf("(samples unavailable: %v)", err)}
 	}
 	var out []string
-	for _, r := range rs[:min(samplesShown, len(rs))] {
-		out = append(out, fmt.Sprintf("%q -> %q", r.Prompt, r.Text))
+	seen := map[string]bool{}
+	for _, r := range rs { // the first sample of the first prompts (the file is in prompt order)
+		if len(out) == samplesShown {
+			break
+		}
+		if !seen[r.Prompt] {
+			seen[r.Prompt] = true
+			out = append(out, fmt.Sprintf("%q -> %q", r.Prompt, r.Text))
+		}
 	}
 	return out
 }
