@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/internal/devtest"
 	"github.com/rlflow/rlflow/launch"
 	"github.com/rlflow/rlflow/pipelines"
@@ -147,4 +150,42 @@ func TestRLHFDemoFailedBroadcastLeavesDoublesResumed(t *testing.T) {
 		assert.GreaterOrEqual(t, st.Requests["POST /resume"], 1, "%s double: resumes", name)
 	}
 	assert.GreaterOrEqual(t, bad.Stats().Faults["error"], 1)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// `rlflow dev --exit` (what `make demo ARGS=--exit` runs): its own dev
+// server, worker and double, the RLHF demo for 3 iterations, the samples
+// and scores printed per iteration, exit status 0.
+func TestDevRunsTheRLHFDemo(t *testing.T) {
+	temporal, err := devserver.FindTemporal("")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("CI needs the Temporal CLI: %v", err)
+		}
+		t.Skipf("needs the Temporal dev server: %v", err)
+	}
+	bin := devtest.RlflowBinary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, "dev", "--exit", "--no-build", "--temporal", temporal,
+		"--address", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--ui-port", fmt.Sprint(freePort(t)), "--state-dir", t.TempDir())
+	out, err := cmd.CombinedOutput()
+	t.Logf("rlflow dev output:\n%s", out)
+	require.NoError(t, err)
+	text := string(out)
+	assert.Contains(t, text, "vLLM TEST AND DEMO DOUBLE")
+	for it := 1; it <= 3; it++ {
+		assert.Contains(t, text, fmt.Sprintf("── iteration %d ──", it))
+	}
+	assert.Regexp(t, `before +"the cat " -> `, text)
+	assert.Regexp(t, `after +"the cat " -> `, text)
+	assert.Regexp(t, `eval score by iteration: 1: [0-9.]+, 2: [0-9.]+, 3: [0-9.]+`, text)
+	assert.Contains(t, text, "succeeded: 3 iteration(s)")
 }
