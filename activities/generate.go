@@ -326,7 +326,10 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 	var durable atomic.Int64
 	durable.Store(int64(resumed))
 	go func() {
-		writerErr <- pw.writeAll(blocks, &durable)
+		writerErr <- pw.writeAll(blocks, &durable, func(err error) {
+			// Stop generating what cannot be written.
+			cancel(stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, pw.path, err))
+		})
 	}()
 	stopHB := g.heartbeat(ctx, pw.path, &durable, total)
 
@@ -645,7 +648,8 @@ type block struct {
 }
 
 // writeAll appends blocks, fsyncing whenever no further block is waiting.
-func (pw *partialFile) writeAll(blocks <-chan block, durable *atomic.Int64) error {
+// It reports its first error to failed at once and then only drains.
+func (pw *partialFile) writeAll(blocks <-chan block, durable *atomic.Int64, failed func(error)) error {
 	w := bufio.NewWriterSize(pw.f, 1<<20)
 	var werr error
 	unsynced := 0
@@ -672,8 +676,13 @@ func (pw *partialFile) writeAll(blocks <-chan block, durable *atomic.Int64) erro
 		if len(blocks) == 0 {
 			sync()
 		}
+		if werr != nil {
+			failed(werr)
+		}
 	}
-	sync()
+	if sync(); werr != nil {
+		failed(werr)
+	}
 	return werr
 }
 

@@ -182,3 +182,34 @@ func TestGenerateAPIKeyFromWorkerEnv(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 3, out.Samples)
 }
+
+// Servers without weight versions: generation B (no /weight_info) and a
+// server without dev mode (no RLHF routes at all) report none.
+func TestGenerateWithoutWeightVersions(t *testing.T) {
+	b := newDouble(t, double.Config{DevMode: true, Generation: double.GenB})
+	plain := newDouble(t, double.Config{})
+	c := newDouble(t, double.Config{DevMode: true, Generation: double.GenC})
+	sc := stepContext(t, "g", b, plain, c)
+	out, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(6)...), MaxTokens: 4})
+	require.NoError(t, err)
+	assert.Equal(t, "", out.WeightVersion)
+	for _, d := range []*testDouble{b, plain, c} {
+		assert.Equal(t, 2, d.Stats().Completions, "round robin over three servers")
+	}
+	assert.Equal(t, 1, c.Stats().Requests["GET /weight_info"], "C has versions (none yet)")
+	assert.Zero(t, b.Stats().Requests["GET /weight_info"], "B has no route: not asked")
+}
+
+func TestGenerateOutputNotWritable(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	sc := stepContext(t, "g", d)
+	writeLines(t, sc.BaseDir, "file.txt", "x")
+	_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(1)...), Output: "file.txt/out.jsonl"})
+	assert.Equal(t, ErrTypeIO, errType(t, err))
+	assert.ErrorContains(t, err, "generate: creating the output dir")
+
+	a := New(Deps{})
+	_, err = a.Generate(context.Background(), GenerateInput{Context: sc, Prompts: "p.jsonl"})
+	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.ErrorContains(t, err, "no output path: set with.output, or give the worker a data dir")
+}

@@ -8,6 +8,7 @@ package worker
 
 import (
 	"fmt"
+	"path/filepath"
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/pipelines"
@@ -37,6 +38,16 @@ func RegisterWorkflows(r sdkworker.WorkflowRegistry) {
 func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activities) {
 	r.RegisterActivityWithOptions(a.Exec, activity.RegisterOptions{Name: pipelines.StepExec})
 	r.RegisterActivityWithOptions(a.Noop, activity.RegisterOptions{Name: pipelines.StepNoop})
+	r.RegisterActivityWithOptions(a.Generate, activity.RegisterOptions{Name: pipelines.StepGenerate})
+	r.RegisterActivityWithOptions(a.Evaluate, activity.RegisterOptions{Name: pipelines.StepEvaluate})
+	r.RegisterActivityWithOptions(a.Pause, activity.RegisterOptions{Name: pipelines.StepPause})
+	r.RegisterActivityWithOptions(a.Resume, activity.RegisterOptions{Name: pipelines.StepResume})
+	r.RegisterActivityWithOptions(a.IsPaused, activity.RegisterOptions{Name: pipelines.StepIsPaused})
+	r.RegisterActivityWithOptions(a.WorldSize, activity.RegisterOptions{Name: pipelines.StepWorldSize})
+	// The disk backend's transfer steps run here; nccl ones are routed to a
+	// GPU worker, and reaching this one fails them with NoGPUWorker.
+	r.RegisterActivityWithOptions(a.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
+	r.RegisterActivityWithOptions(a.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
 	r.RegisterActivityWithOptions(a.LoadPipeline, activity.RegisterOptions{Name: workflows.LoadPipelineActivity})
 	r.RegisterActivityWithOptions(a.Generate, activity.RegisterOptions{Name: pipelines.StepGenerate})
 	r.RegisterActivityWithOptions(a.Evaluate, activity.RegisterOptions{Name: pipelines.StepEvaluate})
@@ -57,6 +68,11 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	}
 	if opts.Deps.LogDir == "" {
 		return nil, fmt.Errorf("worker: Deps.LogDir is required")
+	}
+	if opts.Deps.DataDir == "" {
+		// Next to the logs (.rlflow/logs -> .rlflow/data) until the CLI
+		// has a flag of its own for it.
+		opts.Deps.DataDir = filepath.Join(filepath.Dir(opts.Deps.LogDir), "data")
 	}
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
