@@ -49,16 +49,6 @@ func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activ
 	r.RegisterActivityWithOptions(a.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
 	r.RegisterActivityWithOptions(a.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
 	r.RegisterActivityWithOptions(a.LoadPipeline, activity.RegisterOptions{Name: workflows.LoadPipelineActivity})
-	r.RegisterActivityWithOptions(a.Generate, activity.RegisterOptions{Name: pipelines.StepGenerate})
-	r.RegisterActivityWithOptions(a.Evaluate, activity.RegisterOptions{Name: pipelines.StepEvaluate})
-	r.RegisterActivityWithOptions(a.Pause, activity.RegisterOptions{Name: pipelines.StepPause})
-	r.RegisterActivityWithOptions(a.Resume, activity.RegisterOptions{Name: pipelines.StepResume})
-	r.RegisterActivityWithOptions(a.IsPaused, activity.RegisterOptions{Name: pipelines.StepIsPaused})
-	r.RegisterActivityWithOptions(a.WorldSize, activity.RegisterOptions{Name: pipelines.StepWorldSize})
-	// Disk-backend transfers run on the control worker; nccl ones need
-	// Deps.NCCL (a GPU worker) and fail at once without it.
-	r.RegisterActivityWithOptions(a.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
-	r.RegisterActivityWithOptions(a.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
 }
 
 // NewControl builds (but does not start) a control worker.
