@@ -25,6 +25,7 @@ const (
 	genPrompts    = 2000
 	genMaxTokens  = 16
 	seqSubset     = 40 // prompts the sequential baseline really sends
+	genRounds     = 3  // interleaved generate/ideal rounds; the best of each is reported
 	idealWorkers  = double.BenchSlots
 	genBodyFormat = `{"model":%q,"prompt":%q,"max_tokens":%d,"temperature":1.0,"seed":%d}`
 )
@@ -80,12 +81,16 @@ func sequential(b *testing.B, url string, n int) time.Duration {
 	return time.Since(start)
 }
 
+// newIdealClient is the ideal client's connection pool, kept warm across
+// rounds as generate's shared client is.
+func newIdealClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: idealWorkers, MaxConnsPerHost: idealWorkers}}
+}
+
 // ideal is a minimal Go client at the double's concurrency: idealWorkers
 // goroutines over one connection pool, posting the same requests and
 // discarding the answers (no JSON decoding, no file).
-func ideal(b *testing.B, url string, n int) time.Duration {
-	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: idealWorkers, MaxConnsPerHost: idealWorkers}}
-	defer hc.CloseIdleConnections()
+func ideal(b *testing.B, hc *http.Client, url string, n int) time.Duration {
 	jobs := make(chan int)
 	errs := make(chan error, 1)
 	var wg sync.WaitGroup
@@ -118,12 +123,14 @@ func ideal(b *testing.B, url string, n int) time.Duration {
 // BenchmarkGenerate2000 compares the generate activity, called directly as a
 // Go function (no Temporal server: the activity's own client path, its JSONL
 // output included), with the sequential pattern and the ideal client, all
-// measured in the same run against the same double.
+// measured in the same run against the same double. Every generate round
+// sends all 2,000 requests and writes its rollouts JSONL (checked against
+// the double's counters).
 //
 //	make bench-generate
 func BenchmarkGenerate2000(b *testing.B) {
 	cfg := double.BenchConfig()
-	_, url := serveDouble(b, cfg)
+	d, url := serveDouble(b, cfg)
 	dir := b.TempDir()
 	lines := make([]string, genPrompts)
 	for i := range lines {
@@ -141,20 +148,31 @@ func BenchmarkGenerate2000(b *testing.B) {
 		MaxTokens: genMaxTokens, Temperature: &temp, Seed: &seed,
 		Concurrency: idealWorkers,
 	}
-	ideal(b, url, idealWorkers) // warm the double and the loopback stack up
+	hc := newIdealClient()
+	defer hc.CloseIdleConnections()
+	ideal(b, hc, url, idealWorkers)                                    // open the ideal client's connections
+	if _, err := acts.Generate(context.Background(), in); err != nil { // and generate's
+		b.Fatal(err)
+	}
 
-	var gen, idl time.Duration
+	// Interleaved rounds, best of each: on a shared machine a round can
+	// lose the CPU, and the best round is the closest to what the code costs.
+	gen, idl := time.Duration(1<<62), time.Duration(1<<62)
 	for b.Loop() {
-		start := time.Now()
-		out, err := acts.Generate(context.Background(), in)
-		if err != nil {
-			b.Fatal(err)
+		for range genRounds {
+			served := d.Stats().Completions
+			start := time.Now()
+			out, err := acts.Generate(context.Background(), in)
+			if err != nil {
+				b.Fatal(err)
+			}
+			gen = min(gen, time.Since(start))
+			// Every round really generates: nothing resumed from an earlier one.
+			if got := d.Stats().Completions - served; out.Samples != genPrompts || out.Resumed != 0 || got != genPrompts {
+				b.Fatalf("generate: %d samples, %d resumed, %d served by the double; want %d, 0, %d", out.Samples, out.Resumed, got, genPrompts, genPrompts)
+			}
+			idl = min(idl, ideal(b, hc, url, genPrompts))
 		}
-		gen = time.Since(start)
-		if out.Samples != genPrompts {
-			b.Fatalf("generate produced %d samples, want %d", out.Samples, genPrompts)
-		}
-		idl = ideal(b, url, genPrompts)
 	}
 	b.StopTimer()
 	seq := sequential(b, url, seqSubset)
@@ -166,8 +184,8 @@ func BenchmarkGenerate2000(b *testing.B) {
 	b.ReportMetric(seqAll.Seconds(), "sequential-s")
 	b.ReportMetric(float64(seqAll)/float64(gen), "x-vs-sequential")
 	b.ReportMetric(float64(gen)/float64(idl), "generate/ideal")
-	fmt.Printf("generate %d prompts: %.3fs; ideal Go client (%d goroutines) %.3fs, generate/ideal %.2f (target <= 1.10); "+
+	fmt.Printf("generate %d prompts (best of %d): %.3fs; ideal Go client (%d goroutines) %.3fs, generate/ideal %.2f (target <= 1.10); "+
 		"sequential %.1fs (measured on %d prompts: %.1f ms each), %.0fx faster (target >= 100x); server floor %.2fs\n",
-		genPrompts, gen.Seconds(), idealWorkers, idl.Seconds(), float64(gen)/float64(idl),
+		genPrompts, genRounds, gen.Seconds(), idealWorkers, idl.Seconds(), float64(gen)/float64(idl),
 		seqAll.Seconds(), seqSubset, float64(seq.Microseconds())/1000/seqSubset, float64(seqAll)/float64(gen), floor.Seconds())
 }
