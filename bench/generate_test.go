@@ -25,7 +25,7 @@ const (
 	genPrompts    = 2000
 	genMaxTokens  = 16
 	seqSubset     = 40 // prompts the sequential baseline really sends
-	genRounds     = 3  // interleaved generate/ideal rounds; the best of each is reported
+	genRounds     = 5  // interleaved generate/ideal rounds; the best of each is reported
 	idealWorkers  = double.BenchSlots
 	genBodyFormat = `{"model":%q,"prompt":%q,"max_tokens":%d,"temperature":1.0,"seed":%d}`
 )
