@@ -84,6 +84,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			return
 		}
 		p := st.Progress
+		report(p.IterationsDone) // before the next iteration's header
 		if p.Iteration != lastIter && p.Iteration > 0 {
 			lastIter = p.Iteration
 			say("iteration %d  (%s)", p.Iteration, p.Child)
@@ -119,7 +120,6 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			}
 			say("%s", line)
 		}
-		report(p.IterationsDone)
 	}
 	for {
 		select {
