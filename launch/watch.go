@@ -58,13 +58,47 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 	}()
 	seen := map[string]string{}
 	lastIter, lastDone, reported := 0, 0, 0
-	// report hands every iteration up to done to OnIteration; a finished
-	// iteration's child workflow answers Get at once.
+	// show prints a step's line when its state changed since the last one.
+	show := func(iter int, s workflows.StepResult, lastFailure string) {
+		key := fmt.Sprintf("%d/%s", iter, s.ID)
+		state := s.Status
+		if s.Status == workflows.StatusRunning && s.Attempts > 1 {
+			state = fmt.Sprintf("running (attempt %d)", s.Attempts)
+		}
+		if seen[key] == state {
+			return
+		}
+		seen[key] = state
+		line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
+		switch {
+		case lastFailure != "" && s.Status == workflows.StatusRunning:
+			line += "  last failure: " + firstLine(lastFailure)
+		case s.Status == workflows.StatusFailed:
+			line += "  " + firstLine(s.Error)
+		case s.Status == workflows.StatusSkipped:
+			line += "  (" + s.Reason + ")"
+		case s.Status == workflows.StatusSucceeded:
+			if outs := formatOutputs(s.Outputs); outs != "" {
+				line += "  " + truncate(outs, 120)
+			}
+		}
+		say("%s", line)
+	}
+	// report finishes every iteration up to done: the final states of its
+	// steps that no poll saw (the next iteration starts within
+	// milliseconds), then OnIteration. A finished iteration's child
+	// workflow answers Get at once.
 	report := func(done int) {
-		for ; o.OnIteration != nil && reported < done; reported++ {
+		for ; reported < done; reported++ {
 			var ir workflows.IterationResult
 			if err := c.GetWorkflow(ctx, workflows.IterationWorkflowID(run.GetID(), reported+1), "").Get(ctx, &ir); err != nil {
 				say("  (iteration %d result unavailable: %v)", reported+1, err)
+				continue
+			}
+			for _, s := range ir.Steps {
+				show(ir.Iteration, s, "")
+			}
+			if o.OnIteration == nil {
 				continue
 			}
 			if bar != nil {
@@ -96,29 +130,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			}
 		}
 		for _, s := range st.Steps {
-			key := fmt.Sprintf("%d/%s", p.Iteration, s.ID)
-			state := s.Status
-			if s.Status == workflows.StatusRunning && s.Attempts > 1 {
-				state = fmt.Sprintf("running (attempt %d)", s.Attempts)
-			}
-			if seen[key] == state {
-				continue
-			}
-			seen[key] = state
-			line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
-			switch {
-			case s.LastFailure != "" && s.Status == workflows.StatusRunning:
-				line += "  last failure: " + firstLine(s.LastFailure)
-			case s.Status == workflows.StatusFailed:
-				line += "  " + firstLine(s.Error)
-			case s.Status == workflows.StatusSkipped:
-				line += "  (" + s.Reason + ")"
-			case s.Status == workflows.StatusSucceeded:
-				if outs := formatOutputs(s.Outputs); outs != "" {
-					line += "  " + truncate(outs, 120)
-				}
-			}
-			say("%s", line)
+			show(p.Iteration, s.StepResult, s.LastFailure)
 		}
 	}
 	for {
