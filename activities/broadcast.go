@@ -84,6 +84,7 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 		return nil, err
 	}
 	if backend == BackendNCCL {
+		// The NCCL path heartbeats itself (with its own details).
 		out, err := a.NCCL.Init(ctx, in, f)
 		if err != nil {
 			return nil, transferError(ctx, "init_transfer", err)
@@ -93,6 +94,7 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 	if in.MasterAddress != "" || in.MasterPort != 0 {
 		return nil, badInput(ctx, "init_transfer: master_address and master_port are for the nccl backend; the disk backend has no rendezvous")
 	}
+	defer a.keepHeartbeating(ctx)()
 	topo, err := f.WorldSizes(ctx)
 	if err != nil {
 		return nil, serverError(ctx, err, "init_transfer")
@@ -127,20 +129,6 @@ func (a *Activities) diskInitialized(sc pipelines.StepContext) bool {
 	a.diskMu.Lock()
 	defer a.diskMu.Unlock()
 	return a.diskInit[group(BackendDisk, sc)]
-}
-
-// fleetError collects per-server errors into a *vllm.FleetError, or nil.
-func fleetError(op string, f vllm.Fleet, errs []error) error {
-	fe := &vllm.FleetError{Op: op, Total: len(f)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: f[i].URL(), Err: err})
-		}
-	}
-	if len(fe.Failed) == 0 {
-		return nil
-	}
-	return fe
 }
 
 // Broadcast sends a checkpoint to every server: through Deps.NCCL for
@@ -219,8 +207,7 @@ func (a *Activities) broadcastDisk(ctx context.Context, in BroadcastInput, f vll
 	if version == "" {
 		version = fmt.Sprintf("%s/iter-%d", sc.RunID, sc.Iteration)
 	}
-	stop := a.keepHeartbeating(ctx)
-	defer stop()
+	defer a.keepHeartbeating(ctx)()
 	initialized := false
 	if !a.diskInitialized(sc) {
 		if err := a.initDisk(ctx, sc, f); err != nil {

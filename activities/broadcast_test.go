@@ -184,7 +184,7 @@ func TestTransferDispatch(t *testing.T) {
 	fake.err = errors.New("nccl: broadcast 3 of 9 timed out")
 	_, err = a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
 	assert.Equal(t, ErrTypeServerError, errType(t, err))
-	assert.ErrorContains(t, err, "broadcast: nccl: broadcast 3 of 9 timed out")
+	assert.ErrorContains(t, err, "broadcast (type: ServerError, retryable: true): nccl: broadcast 3 of 9 timed out")
 
 	noWT := nccl
 	noWT.WeightTransfer = nil

@@ -77,6 +77,8 @@ func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, 
 	if err != nil {
 		return nil, err
 	}
+	// mode wait lasts as long as the longest request in flight.
+	defer a.keepHeartbeating(ctx)()
 	if err := f.PauseAll(ctx, mode); err != nil {
 		return nil, serverError(ctx, err, "pause (mode %s)", mode)
 	}
@@ -108,18 +110,14 @@ func (a *Activities) IsPaused(ctx context.Context, in ControlInput) (*IsPausedOu
 		wg.Go(func() { paused[i], errs[i] = c.IsPaused(ctx) })
 	}
 	wg.Wait()
-	fe := &vllm.FleetError{Op: "is_paused", Total: len(f)}
+	if err := fleetError("is_paused", f, errs); err != nil {
+		return nil, serverError(ctx, err, "is_paused")
+	}
 	out := &IsPausedOutput{Attempt: attemptOf(ctx)}
-	for i, err := range errs {
-		switch {
-		case err != nil:
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: f[i].URL(), Err: err})
-		case paused[i]:
+	for _, p := range paused {
+		if p {
 			out.PausedServers++
 		}
-	}
-	if len(fe.Failed) > 0 {
-		return nil, serverError(ctx, fe, "is_paused")
 	}
 	out.Paused = out.PausedServers > 0
 	return out, nil

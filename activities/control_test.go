@@ -73,7 +73,7 @@ func TestControlErrors(t *testing.T) {
 	a := newActivities(t)
 	_, err := a.Pause(ctx, PauseInput{Context: stepContext(t, "pause", good, pauseFails), Mode: vllm.PauseKeep})
 	assert.Equal(t, ErrTypeServerError, errType(t, err))
-	assert.ErrorContains(t, err, "pause (mode keep): vllm fleet: pause failed on 1 of 2 servers; vllm "+pauseFails.URL+": POST /pause: HTTP 500: double: injected fault")
+	assert.ErrorContains(t, err, "pause (mode keep) (type: ServerError, retryable: true): vllm fleet: pause failed on 1 of 2 servers; vllm "+pauseFails.URL+": POST /pause: HTTP 500: double: injected fault")
 	assert.ErrorContains(t, err, "resumed "+good.URL)
 	assert.NotContains(t, err.Error(), "vllm "+good.URL+": POST /pause")
 	assert.False(t, paused(t, good), "rolled back")
@@ -99,7 +99,7 @@ func TestControlErrors(t *testing.T) {
 		{"is_paused 404", func() error {
 			_, err := a.IsPaused(ctx, ControlInput{Context: stepContext(t, "p", good, noDev)})
 			return err
-		}, ErrTypeServerRejected, "is_paused: vllm fleet: is_paused failed on 1 of 2 servers; vllm " + noDev.URL + ": GET /is_paused: HTTP 404"},
+		}, ErrTypeServerRejected, "is_paused (type: ServerRejected, retryable: false): vllm fleet: is_paused failed on 1 of 2 servers; vllm " + noDev.URL + ": GET /is_paused: HTTP 404"},
 		{"world_size 404", func() error {
 			_, err := a.WorldSize(ctx, ControlInput{Context: stepContext(t, "p", noDev)})
 			return err

@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/testsuite"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
@@ -293,4 +295,26 @@ func TestEvaluateJudge(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 4, out.Samples)
 	assert.Equal(t, 4, d.Stats().Requests["POST /v1/chat/completions"], "the judge asked the pipeline's server")
+}
+
+// The interpreter calls activities by step type name with the rendered
+// `with` map plus "context": the inputs must decode from that shape.
+func TestEvaluateFromInterpreterArgs(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	a := newActivities(t)
+	sc := stepContext(t, "eval", d)
+	writeLines(t, sc.BaseDir, "e.jsonl", `{"prompt": "2+2=", "answer": 4}`)
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(a.Evaluate, activity.RegisterOptions{Name: pipelines.StepEvaluate})
+	val, err := env.ExecuteActivity(pipelines.StepEvaluate, map[string]any{
+		pipelines.ContextArg: sc, "prompts": "e.jsonl", "n": int64(3), "temperature": 0.5, "max_tokens": int64(4),
+		"request_timeout": "30s", "stop": []any{"\n"}, "scorer": map[string]any{"type": "numeric", "tolerance": 0.5},
+	})
+	require.NoError(t, err)
+	var out map[string]any
+	require.NoError(t, val.Get(&out))
+	assert.Equal(t, 3.0, out["samples"])
+	assert.Contains(t, out, "score")
+	assert.Equal(t, 1.0, out[pipelines.MetaAttempt])
 }

@@ -77,6 +77,20 @@ func (a *Activities) client(s pipelines.Server, t vllm.Timeouts) (*vllm.Client, 
 	return vllm.New(s.URL, vllm.Options{APIKey: key, HTTPClient: a.httpClient(), Timeouts: t, Generation: gen})
 }
 
+// fleetError collects per-server errors into a *vllm.FleetError, or nil.
+func fleetError(op string, f vllm.Fleet, errs []error) error {
+	fe := &vllm.FleetError{Op: op, Total: len(f)}
+	for i, err := range errs {
+		if err != nil {
+			fe.Failed = append(fe.Failed, vllm.ServerError{Server: f[i].URL(), Err: err})
+		}
+	}
+	if len(fe.Failed) == 0 {
+		return nil
+	}
+	return fe
+}
+
 // serverError types a vllm error: retryable unless the server (or the
 // client, before sending) refused the request for good. When the step's own
 // context ended, that is the error, so Temporal sees a cancel or timeout.
@@ -84,8 +98,9 @@ func serverError(ctx context.Context, err error, format string, args ...any) err
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	msg := fmt.Sprintf(format, args...)
-	return stepError(ctx, classify(err), err, "%s: %v", msg, err)
+	// The cause's text follows the message in the error's text (and in the
+	// Temporal UI): the message only says which step and which call failed.
+	return stepError(ctx, classify(err), err, format, args...)
 }
 
 // classify returns ErrTypeServerRejected when err is final: every failed

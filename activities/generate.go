@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -176,7 +177,7 @@ func (a *Activities) newGenRun(ctx context.Context, step string, in *GenerateInp
 	case in.Temperature != nil && !(*in.Temperature >= 0):
 		return nil, badInput(ctx, "%s: temperature %v must not be negative", step, *in.Temperature)
 	case !(in.TopP >= 0 && in.TopP <= 1):
-		return nil, badInput(ctx, "%s: top_p %v, want (0, 1]", step, in.TopP)
+		return nil, badInput(ctx, "%s: top_p %v, want (0, 1] (0 or unset: the server's default)", step, in.TopP)
 	case in.Logprobs < 0:
 		return nil, badInput(ctx, "%s: logprobs %d must not be negative", step, in.Logprobs)
 	case in.Concurrency < 0 || in.Concurrency > MaxConcurrency:
@@ -254,14 +255,8 @@ func (g *genRun) prepare(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
-	fe := &vllm.FleetError{Op: "prepare", Total: len(g.fleet)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: g.fleet[i].URL(), Err: err})
-		}
-	}
-	if len(fe.Failed) > 0 {
-		return serverError(ctx, fe, "%s: asking the servers for their model and weight version", g.step)
+	if err := fleetError("prepare", g.fleet, errs); err != nil {
+		return serverError(ctx, err, "%s: asking the servers for their model and weight version", g.step)
 	}
 	return nil
 }
@@ -302,7 +297,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Dir(g.output), 0o755); err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "%s: creating the output dir: %v", g.step, err)
+		return nil, stepError(ctx, ErrTypeIO, err, "%s: creating the output dir", g.step)
 	}
 	pw, resumed, err := g.openPartial(ctx)
 	if err != nil {
@@ -328,7 +323,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 	go func() {
 		writerErr <- pw.writeAll(blocks, &durable, func(err error) {
 			// Stop generating what cannot be written.
-			cancel(stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, pw.path, err))
+			cancel(stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, pw.path))
 		})
 	}()
 	stopHB := g.heartbeat(ctx, pw.path, &durable, total)
@@ -347,7 +342,7 @@ func (g *genRun) run(ctx context.Context) (*genResult, error) {
 				if r.p.left.Add(-1) == 0 {
 					b, err := encodeBlock(r.p.rows)
 					if err != nil {
-						cancel(stepError(ctx, ErrTypeIO, err, "%s: encoding prompt %s: %v", g.step, r.p.rows[0].PromptID, err))
+						cancel(stepError(ctx, ErrTypeIO, err, "%s: encoding prompt %s", g.step, r.p.rows[0].PromptID))
 						continue
 					}
 					select {
@@ -386,12 +381,12 @@ feed:
 		return nil, cause
 	}
 	if werr != nil {
-		return nil, stepError(ctx, ErrTypeIO, werr, "%s: writing %s: %v", g.step, pw.path, werr)
+		return nil, stepError(ctx, ErrTypeIO, werr, "%s: writing %s", g.step, pw.path)
 	}
 	elapsed := time.Since(start)
 	res, err := pw.assemble(g.output, g.set, g.n)
 	if err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, g.output, err)
+		return nil, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, g.output)
 	}
 	pw.f.Close()
 	_ = os.Remove(pw.path)
@@ -555,8 +550,19 @@ func (g *genRun) openPartial(ctx context.Context) (*partialFile, int, error) {
 			activity.GetLogger(ctx).Warn("the earlier attempt's partial file is elsewhere; resuming from this one", "earlier", hb.Partial, "partial", path)
 		}
 	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: opening %s", g.step, path)
+	}
+	// One attempt at a time: a retry that starts while an earlier attempt
+	// still runs (its worker cut off past the heartbeat timeout) must not
+	// interleave its writes with it. The lock goes with the file's close.
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: %s is locked by another attempt of this step that still runs (it stops at its next heartbeat)", g.step, path)
+	}
 	if retry {
-		pw, n, err := resumePartial(path, g.fingerprint, g.set, g.n)
+		pw, n, err := resumePartial(f, path, g.fingerprint, g.set, g.n)
 		if err == nil {
 			return pw, n, nil
 		}
@@ -564,35 +570,36 @@ func (g *genRun) openPartial(ctx context.Context) (*partialFile, int, error) {
 			activity.GetLogger(ctx).Warn("not resuming: starting the step's samples again", "partial", path, "reason", err.Error())
 		}
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
-	if err != nil {
-		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: creating %s: %v", g.step, path, err)
-	}
 	hdr, _ := json.Marshal(partialHeader{Partial: 1, Fingerprint: g.fingerprint})
 	hdr = append(hdr, '\n')
-	if _, err := f.Write(hdr); err != nil {
+	if err := f.Truncate(0); err == nil {
+		_, err = f.WriteAt(hdr, 0)
+	}
+	if err != nil {
 		f.Close()
-		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s: %v", g.step, path, err)
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, path)
+	}
+	if _, err := f.Seek(int64(len(hdr)), io.SeekStart); err != nil {
+		f.Close()
+		return nil, 0, stepError(ctx, ErrTypeIO, err, "%s: writing %s", g.step, path)
 	}
 	return &partialFile{path: path, f: f, off: int64(len(hdr)), blocks: map[int][2]int64{}}, 0, nil
 }
 
-// resumePartial reads a partial file: its complete prompt blocks count as
-// done; a torn or foreign tail (a crash mid-write) is cut off.
-func resumePartial(path, fingerprint string, set *promptSet, n int) (*partialFile, int, error) {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
+// resumePartial reads the open partial file f: its complete prompt blocks
+// count as done; a torn or foreign tail (a crash mid-write) is cut off.
+// On error the caller still owns f.
+func resumePartial(f *os.File, path, fingerprint string, set *promptSet, n int) (*partialFile, int, error) {
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return nil, 0, err
 	}
 	br := bufio.NewReaderSize(f, 1<<20)
 	first, err := br.ReadBytes('\n')
 	var hdr partialHeader
 	if err != nil || json.Unmarshal(first, &hdr) != nil || hdr.Partial != 1 {
-		f.Close()
 		return nil, 0, fmt.Errorf("%s has no partial-file header", path)
 	}
 	if hdr.Fingerprint != fingerprint {
-		f.Close()
 		return nil, 0, fmt.Errorf("%s was made from other inputs (prompts or sampling parameters changed)", path)
 	}
 	index := make(map[string]int, len(set.prompts))
@@ -630,16 +637,17 @@ func resumePartial(path, fingerprint string, set *promptSet, n int) (*partialFil
 		}
 	}
 	if err := f.Truncate(good); err != nil {
-		f.Close()
 		return nil, 0, err
 	}
 	if _, err := f.Seek(good, io.SeekStart); err != nil {
-		f.Close()
 		return nil, 0, err
 	}
 	pw.off = good
 	return pw, len(pw.blocks), nil
 }
+
+// maxUnsynced bounds the finished prompts the writer holds before an fsync.
+const maxUnsynced = 256
 
 // block is one finished prompt's rows.
 type block struct {
@@ -673,7 +681,9 @@ func (pw *partialFile) writeAll(blocks <-chan block, durable *atomic.Int64, fail
 			pw.off += int64(len(b.data))
 			unsynced++
 		}
-		if len(blocks) == 0 {
+		// Under a steady stream the channel is rarely empty: bound what
+		// a crash could lose anyway.
+		if len(blocks) == 0 || unsynced >= maxUnsynced {
 			sync()
 		}
 		if werr != nil {

@@ -96,14 +96,14 @@ func TestGenerateThroughput(t *testing.T) {
 	// On a loaded machine both clients are CPU-bound; these bounds still
 	// catch a serial pool or per-request connection churn.
 	assert.GreaterOrEqual(t, float64(sequential)/float64(best), 20.0)
-	assert.LessOrEqual(t, float64(best)/float64(ideal), 1.5)
+	assert.LessOrEqual(t, float64(best)/float64(ideal), 2.0)
 }
 
 func BenchmarkGenerate(b *testing.B) {
-	d := newDouble(&testing.T{}, double.BenchConfig())
+	d := newDouble(b, double.BenchConfig())
 	a := New(Deps{DataDir: b.TempDir()})
-	sc := stepContext(&testing.T{}, "bench", d)
-	in := GenerateInput{Context: sc, Prompts: writeLines(&testing.T{}, sc.BaseDir, "p.jsonl", promptLines(benchPrompts)...),
+	sc := stepContext(b, "bench", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(b, sc.BaseDir, "p.jsonl", promptLines(benchPrompts)...),
 		MaxTokens: benchMaxTokens, Concurrency: benchConcurrency}
 	for b.Loop() {
 		benchGenerate(b, a, in)

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -51,7 +53,7 @@ func TestGenerateResumesAfterCancel(t *testing.T) {
 	err := <-errc
 	require.ErrorIs(t, err, context.Canceled)
 	partial := a.DataDir + "/run-1/iter-2/rollout/rollouts.jsonl.partial"
-	pw, done, err := resumePartial(partial, mustGenRun(t, a, in).fingerprint, mustGenRun(t, a, in).set, 1)
+	pw, done, err := openResume(t, partial, mustGenRun(t, a, in), 1)
 	require.NoError(t, err)
 	pw.f.Close()
 	require.Greater(t, done, prompts*3/10, "attempt 1 kept its finished prompts")
@@ -104,6 +106,17 @@ func TestGenerateResumesAfterCancel(t *testing.T) {
 	}
 }
 
+func openResume(t *testing.T, path string, g *genRun, n int) (*partialFile, int, error) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	require.NoError(t, err)
+	pw, done, err := resumePartial(f, path, g.fingerprint, g.set, n)
+	if err != nil {
+		f.Close()
+	}
+	return pw, done, err
+}
+
 func mustGenRun(t *testing.T, a *Activities, in GenerateInput) *genRun {
 	t.Helper()
 	g, err := a.newGenRun(context.Background(), "generate", &in, "rollouts.jsonl", false, nil)
@@ -136,7 +149,7 @@ func TestResumePartialCutsTornAndForeignTails(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			require.NoError(t, os.WriteFile(path, []byte(c.body), 0o644))
-			pw, done, err := resumePartial(path, g.fingerprint, g.set, 2)
+			pw, done, err := openResume(t, path, g, 2)
 			require.NoError(t, err)
 			defer pw.f.Close()
 			assert.Equal(t, c.done, done)
@@ -146,10 +159,10 @@ func TestResumePartialCutsTornAndForeignTails(t *testing.T) {
 		})
 	}
 	require.NoError(t, os.WriteFile(path, []byte(`{"rlflow_partial":1,"fingerprint":"other"}`+"\n"+row("p0", 0)), 0o644))
-	_, _, err := resumePartial(path, g.fingerprint, g.set, 2)
+	_, _, err := openResume(t, path, g, 2)
 	assert.ErrorContains(t, err, "made from other inputs")
 	require.NoError(t, os.WriteFile(path, []byte(row("p0", 0)), 0o644))
-	_, _, err = resumePartial(path, g.fingerprint, g.set, 2)
+	_, _, err = openResume(t, path, g, 2)
 	assert.ErrorContains(t, err, "no partial-file header")
 }
 
@@ -194,4 +207,72 @@ func TestGenerateRetriesAbortedSamples(t *testing.T) {
 	for p, n := range d.Stats().Prompts {
 		assert.Equal(t, 4, n, "prompt %q: 2 samples, each sent twice", p)
 	}
+}
+
+// A partial file is only resumed by a retry of the same step with the same
+// inputs: a first attempt starts over, and so does a retry whose sampling
+// parameters changed.
+func TestGenerateResumesOnlyItsOwnPartial(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	a := newActivities(t)
+	sc := stepContext(t, "rollout", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(4)...), MaxTokens: 4}
+	g := mustGenRun(t, a, in)
+	partial := g.output + ".partial"
+	require.NoError(t, os.MkdirAll(filepath.Dir(partial), 0o755))
+	full := fmt.Sprintf(`{"rlflow_partial":1,"fingerprint":%q}`+"\n", g.fingerprint)
+	for i := range 4 {
+		full += fmt.Sprintf(`{"prompt_id":"p%d","sample":0,"text":"from the partial","completion_tokens":1}`+"\n", i)
+	}
+	run := func(in GenerateInput, heartbeat bool) *GenerateOutput {
+		require.NoError(t, os.WriteFile(partial, []byte(full), 0o644))
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestActivityEnvironment()
+		env.RegisterActivity(a.Generate)
+		if heartbeat {
+			env.SetHeartbeatDetails(GenerateProgress{Partial: partial, Done: 4, Total: 4})
+		}
+		val, err := env.ExecuteActivity(a.Generate, in)
+		require.NoError(t, err)
+		var out GenerateOutput
+		require.NoError(t, val.Get(&out))
+		return &out
+	}
+
+	out := run(in, true)
+	assert.Equal(t, 4, out.Resumed, "a retry resumes its own partial")
+	assert.Zero(t, d.Stats().Completions)
+	assert.Equal(t, "from the partial", readRollouts(t, out.Path)[0].Text)
+
+	out = run(in, false)
+	assert.Zero(t, out.Resumed, "a first attempt never trusts a partial left behind")
+	assert.Equal(t, 4, d.Stats().Completions)
+
+	greedy := in
+	greedy.Temperature = new(float64)
+	out = run(greedy, true)
+	assert.Zero(t, out.Resumed, "other sampling parameters: start over")
+	assert.Equal(t, 8, d.Stats().Completions)
+	assert.NotEqual(t, "from the partial", readRollouts(t, out.Path)[0].Text)
+}
+
+// A retry that starts while an earlier attempt still holds the partial file
+// fails (retryably) instead of writing into it too.
+func TestGeneratePartialFileIsLocked(t *testing.T) {
+	d := newDouble(t, double.Config{DevMode: true})
+	a := newActivities(t)
+	sc := stepContext(t, "rollout", d)
+	in := GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(2)...), MaxTokens: 2}
+	partial := mustGenRun(t, a, in).output + ".partial"
+	require.NoError(t, os.MkdirAll(filepath.Dir(partial), 0o755))
+	held, err := os.Create(partial)
+	require.NoError(t, err)
+	require.NoError(t, syscall.Flock(int(held.Fd()), syscall.LOCK_EX))
+	_, err = a.Generate(context.Background(), in)
+	assert.Equal(t, ErrTypeIO, errType(t, err))
+	assert.ErrorContains(t, err, "is locked by another attempt of this step")
+	held.Close()
+	out, err := a.Generate(context.Background(), in)
+	require.NoError(t, err)
+	assert.Equal(t, 2, out.Samples)
 }

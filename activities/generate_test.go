@@ -143,7 +143,7 @@ func TestGenerateErrors(t *testing.T) {
 			typ: ErrTypeServerRejected, want: []string{keyed.URL, "GET /v1/models", "HTTP 401", "Unauthorized"}},
 		{name: "bad api pin", servers: []pipelines.Server{{URL: ok.URL, API: "Z"}}, typ: ErrTypeBadInput, want: []string{`unknown vLLM API generation "Z"`}},
 		{name: "400 context length", servers: servers(short), in: GenerateInput{MaxTokens: 16}, typ: ErrTypeServerRejected,
-			want: []string{"prompts.jsonl:1 (id p0) sample 0", short.URL, "POST /v1/completions: HTTP 400", "maximum context length is 20"}},
+			want: []string{"prompts.jsonl:", "sample 0 (type: ServerRejected, retryable: false): vllm " + short.URL, "POST /v1/completions: HTTP 400", "maximum context length is 20"}},
 		{name: "404 model", servers: servers(ok), in: GenerateInput{Model: "nope"}, typ: ErrTypeServerRejected,
 			want: []string{"POST /v1/completions: HTTP 404", "The model `nope` does not exist"}},
 		{name: "500", servers: servers(failing), typ: ErrTypeServerError,

@@ -26,7 +26,7 @@ type testDouble struct {
 	URL string
 }
 
-func newDouble(t *testing.T, cfg double.Config) *testDouble {
+func newDouble(t testing.TB, cfg double.Config) *testDouble {
 	t.Helper()
 	d, err := double.New(cfg)
 	require.NoError(t, err)
@@ -46,7 +46,7 @@ func servers(ds ...*testDouble) []pipelines.Server {
 	return out
 }
 
-func stepContext(t *testing.T, step string, ds ...*testDouble) pipelines.StepContext {
+func stepContext(t testing.TB, step string, ds ...*testDouble) pipelines.StepContext {
 	return pipelines.StepContext{Pipeline: "p", RunID: "run-1", Iteration: 2, StepID: step, BaseDir: t.TempDir(), Servers: servers(ds...)}
 }
 
@@ -56,7 +56,7 @@ func newActivities(t *testing.T) *Activities {
 }
 
 // writeLines writes a file under dir and returns its name.
-func writeLines(t *testing.T, dir, name string, lines ...string) string {
+func writeLines(t testing.TB, dir, name string, lines ...string) string {
 	t.Helper()
 	require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(strings.Join(lines, "\n")+"\n"), 0o644))
 	return name

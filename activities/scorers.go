@@ -180,7 +180,7 @@ func (a *Activities) httpScorer(ctx context.Context, s pipelines.Scorer) (scoreF
 	return func(ctx context.Context, p *prompt, r *Rollout) error {
 		body, err := json.Marshal(map[string]any{"prompt": p.promptText(), "completion": r.Text, "answer": p.answer, "id": p.id})
 		if err != nil {
-			return stepError(ctx, ErrTypeBadInput, err, "evaluate: http scorer: encoding sample %s#%d: %v", p.id, r.Sample, err)
+			return stepError(ctx, ErrTypeBadInput, err, "evaluate: http scorer: encoding sample %s#%d", p.id, r.Sample)
 		}
 		if err := sem.acquire(ctx); err != nil {
 			return err
@@ -201,7 +201,7 @@ func (a *Activities) httpScorer(ctx context.Context, s pipelines.Scorer) (scoreF
 				if final(status, err) {
 					typ = ErrTypeServerRejected
 				}
-				return stepError(ctx, typ, err, "evaluate: http scorer %s: prompt %s sample %d: %v", s.URL, p.id, r.Sample, err)
+				return stepError(ctx, typ, err, "evaluate: http scorer %s: prompt %s sample %d", s.URL, p.id, r.Sample)
 			}
 			t := time.NewTimer(backoff)
 			select {
