@@ -24,7 +24,7 @@ type demoSummary struct {
 const samplesShown = 2
 
 func (d *demoSummary) iteration(ir workflows.IterationResult) {
-	fmt.Fprintf(d.out, "── iteration %d ──\n", ir.Iteration)
+	var lines []string
 	for _, s := range ir.Steps {
 		if s.Status != workflows.StatusSucceeded {
 			continue
@@ -32,13 +32,16 @@ func (d *demoSummary) iteration(ir workflows.IterationResult) {
 		switch s.Uses {
 		case pipelines.StepGenerate:
 			for _, line := range d.samples(s) {
-				fmt.Fprintf(d.out, "  %-8s %s\n", s.ID, line)
+				lines = append(lines, fmt.Sprintf("  %-8s %s", s.ID, line))
 			}
 		case pipelines.StepEvaluate:
 			score := fmt.Sprint(s.Outputs["score"])
-			fmt.Fprintf(d.out, "  %-8s score %s (%v samples)\n", s.ID, score, s.Outputs["samples"])
+			lines = append(lines, fmt.Sprintf("  %-8s score %s (%v samples)", s.ID, score, s.Outputs["samples"]))
 			d.scores = append(d.scores, fmt.Sprintf("%d: %s", ir.Iteration, score))
 		}
+	}
+	if len(lines) > 0 { // pipelines without generate or evaluate steps show nothing
+		fmt.Fprintf(d.out, "── iteration %d ──\n%s\n", ir.Iteration, strings.Join(lines, "\n"))
 	}
 }
 
