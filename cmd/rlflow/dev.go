@@ -4,11 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
@@ -68,11 +66,17 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				useDouble = len(args) == 0 && len(spec.Servers) > 0
 			}
 			if useDouble {
-				d, err := startDevDouble(ctx, len(spec.Servers))
+				// Generation C, disk backend, the untrained model of seed 0
+				// (demo-train's random:0), on random loopback ports.
+				addrs := make([]string, len(spec.Servers))
+				for i := range addrs {
+					addrs[i] = "127.0.0.1:0"
+				}
+				d, err := startDoubles(context.WithoutCancel(ctx), double.Config{Generation: double.GenC, Backend: double.BackendDisk, DevMode: true}, addrs)
 				if err != nil {
 					return err
 				}
-				defer d.close()
+				defer d.stop()
 				for i := range spec.Servers {
 					spec.Servers[i] = pipelines.Server{URL: d.urls[i], API: string(double.GenC)}
 				}
@@ -191,61 +195,6 @@ func hasFlagParam(flags []string, name string) bool {
 		}
 	}
 	return false
-}
-
-// devDoubles are in-process vLLM test doubles on loopback ports.
-type devDoubles struct {
-	urls   []string
-	cancel context.CancelFunc
-	done   chan struct{}
-	srvs   []*double.Server
-}
-
-// startDevDouble serves n doubles (generation C, disk backend, dev mode,
-// untrained model from seed 0, as demo-train's random:0) on random
-// loopback ports until close.
-func startDevDouble(ctx context.Context, n int) (*devDoubles, error) {
-	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	d := &devDoubles{cancel: cancel, done: make(chan struct{})}
-	var lns []net.Listener
-	for range n {
-		s, err := double.New(double.Config{Generation: double.GenC, Backend: double.BackendDisk, DevMode: true})
-		if err != nil {
-			cancel()
-			d.closeServers(lns)
-			return nil, err
-		}
-		d.srvs = append(d.srvs, s)
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			cancel()
-			d.closeServers(lns)
-			return nil, fmt.Errorf("vllm double: %w", err)
-		}
-		lns = append(lns, ln)
-		d.urls = append(d.urls, "http://"+ln.Addr().String())
-	}
-	var wg sync.WaitGroup
-	for i, s := range d.srvs {
-		wg.Go(func() { _ = s.Serve(ctx, lns[i]) })
-	}
-	go func() { wg.Wait(); close(d.done) }()
-	return d, nil
-}
-
-func (d *devDoubles) closeServers(lns []net.Listener) {
-	for _, ln := range lns {
-		ln.Close()
-	}
-	for _, s := range d.srvs {
-		s.Close()
-	}
-}
-
-func (d *devDoubles) close() {
-	d.cancel()
-	<-d.done
-	d.closeServers(nil)
 }
 
 func startDevServer(ctx context.Context, g *globalFlags, temporalPath string, uiPort int, state string, noBuild bool, out io.Writer) (*devserver.Server, error) {

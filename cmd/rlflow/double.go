@@ -130,57 +130,96 @@ func parseRates(flag string, vals []string) (map[string]float64, error) {
 	return m, nil
 }
 
-// serveDoubles binds every address first (so a taken port fails before any
-// double serves), then serves until ctx is done.
-func serveDoubles(ctx context.Context, cfg double.Config, addrs []string) error {
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+// doubles are vLLM test doubles serving in this process.
+type doubles struct {
+	urls   []string
+	srvs   []*double.Server
+	cancel context.CancelFunc
+	errs   chan error // one Serve result per double
+}
+
+// startDoubles binds every address first (so a taken port fails before any
+// double serves), then serves one double with cfg on each until ctx is
+// done or stop is called. An address with port 0 gets a free port.
+func startDoubles(ctx context.Context, cfg double.Config, addrs []string) (*doubles, error) {
+	d := &doubles{errs: make(chan error, len(addrs))}
 	var lns []net.Listener
-	var srvs []*double.Server
-	defer func() {
+	fail := func(err error) (*doubles, error) {
 		for _, ln := range lns {
 			ln.Close()
 		}
-		for _, s := range srvs {
+		for _, s := range d.srvs {
 			s.Close()
 		}
-	}()
+		return nil, err
+	}
 	for _, a := range addrs {
 		s, err := double.New(cfg)
 		if err != nil {
-			return err
+			return fail(err)
 		}
-		srvs = append(srvs, s)
+		d.srvs = append(d.srvs, s)
 		ln, err := net.Listen("tcp", a)
 		if err != nil {
-			return fmt.Errorf("vllm-double: listen on %s: %w", a, err)
+			return fail(fmt.Errorf("vllm-double: %w", err))
 		}
 		lns = append(lns, ln)
+		d.urls = append(d.urls, "http://"+ln.Addr().String())
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errs := make(chan error, len(srvs))
-	for i, s := range srvs {
-		ln, eff := lns[i], s.Config()
-		log.Info(doubleBanner, "url", "http://"+ln.Addr().String(), "generation", eff.Generation, "backend", eff.Backend,
-			"dev_mode", eff.DevMode, "model", eff.ModelPath, "latency", eff.Latency, "slots", eff.MaxConcurrent)
-		if !isLoopback(ln.Addr()) {
-			log.Warn("the double listens beyond loopback; it has no authentication unless --api-key-env is set", "addr", ln.Addr().String())
-		}
-		go func() { errs <- s.Serve(ctx, ln) }()
+	ctx, d.cancel = context.WithCancel(ctx)
+	for i, s := range d.srvs {
+		go func() { d.errs <- s.Serve(ctx, lns[i]) }() // Serve closes the listener
 	}
-	lns = nil // Serve closes them
+	return d, nil
+}
+
+// wait returns when every double has stopped (stopping all of them when
+// one fails) with the first error.
+func (d *doubles) wait() error {
 	var err error
-	for range srvs {
-		if e := <-errs; e != nil && err == nil {
+	for range d.srvs {
+		if e := <-d.errs; e != nil && err == nil {
 			err = e
-			cancel() // one failed: stop the others
+			d.cancel()
 		}
 	}
+	for _, s := range d.srvs {
+		s.Close()
+	}
+	return err
+}
+
+// stop shuts every double down and waits for it.
+func (d *doubles) stop() error {
+	d.cancel()
+	return d.wait()
+}
+
+// serveDoubles serves doubles on addrs until ctx is done, logging each.
+func serveDoubles(ctx context.Context, cfg double.Config, addrs []string) error {
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	d, err := startDoubles(ctx, cfg, addrs)
+	if err != nil {
+		return err
+	}
+	model := cfg.ModelPath
+	if model == "" {
+		model = fmt.Sprintf("untrained bigram, seed %d (demo-train --init random:%d)", cfg.Seed, cfg.Seed)
+	}
+	for i, s := range d.srvs {
+		eff := s.Config()
+		log.Info(doubleBanner, "url", d.urls[i], "generation", eff.Generation, "backend", eff.Backend,
+			"dev_mode", eff.DevMode, "model", model, "latency", eff.Latency, "slots", eff.MaxConcurrent)
+		if host, _, _ := net.SplitHostPort(strings.TrimPrefix(d.urls[i], "http://")); !isLoopback(host) {
+			log.Warn("the double listens beyond loopback; it has no authentication unless --api-key-env is set", "url", d.urls[i])
+		}
+	}
+	err = d.wait()
 	log.Info("vLLM double stopped")
 	return err
 }
 
-func isLoopback(a net.Addr) bool {
-	ta, ok := a.(*net.TCPAddr)
-	return ok && ta.IP.IsLoopback()
+func isLoopback(host string) bool {
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
