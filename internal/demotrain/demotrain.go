@@ -12,7 +12,7 @@
 //   - the logits move by the learning rate toward the corpus' bigram
 //     log-frequencies (the maximum-likelihood table), and along the
 //     advantage-weighted log-likelihood gradient of the rollouts (REINFORCE
-//     with the batch mean reward as baseline), so high-reward samples
+//     with the batch mean reward as baseline, standardised), so high-reward samples
 //     become more likely and low-reward ones less.
 //
 // Invariants: Step is a pure function of its inputs (no randomness, rollouts
