@@ -6,7 +6,7 @@ TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
 TEMPORAL_CLI := github.com/temporalio/cli/cmd/temporal@v1.5.1
 
-.PHONY: demo test build vet fuzz bench compose-check clean
+.PHONY: demo test build vet fuzz bench bench-generate compose-check clean
 
 build: $(RLFLOW)
 
@@ -34,6 +34,11 @@ fuzz:
 # Orchestration overhead on the dev server, against in-process baselines.
 bench: $(TEMPORAL)
 	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run XXX -bench . -benchtime 1x -timeout 20m ./bench/
+
+# The generate step against the vLLM double (50 ms per sequence, 256 slots):
+# 2,000 prompts vs one-at-a-time calls and vs an ideal Go client. No Temporal.
+bench-generate:
+	$(GO) test -run XXX -bench Generate2000 -benchtime 1x -timeout 10m ./bench/
 
 compose-check:
 	docker-compose config -q

@@ -55,9 +55,9 @@ steps:
       env: {M: "${{ params.marker }}", D: "${{ steps.long.outputs.doubled }}"}
 `
 
-func startWorker(t *testing.T, bin, addr, queue, logDir string) *exec.Cmd {
+func startWorker(t *testing.T, bin, addr, queue, logDir string, extra ...string) *exec.Cmd {
 	t.Helper()
-	cmd := exec.Command(bin, "worker", "--address", addr, "--task-queue", queue, "--log-dir", logDir)
+	cmd := exec.Command(bin, append([]string{"worker", "--address", addr, "--task-queue", queue, "--log-dir", logDir}, extra...)...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	require.NoError(t, cmd.Start())

@@ -19,6 +19,10 @@ type WatchOptions struct {
 	// Total is the number of iterations expected (0 = unknown, for until).
 	Total    int
 	Interval time.Duration
+	// OnIteration, when set, is called once per successful iteration, in
+	// order, with the iteration's result (every step's outputs) as soon as
+	// the watch sees it done.
+	OnIteration func(workflows.IterationResult)
 }
 
 // Watch prints step transitions of a run as they happen and returns the
@@ -53,7 +57,59 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		close(done)
 	}()
 	seen := map[string]string{}
-	lastIter, lastDone := 0, 0
+	lastIter, lastDone, reported := 0, 0, 0
+	// show prints a step's line when its state changed since the last one.
+	show := func(iter int, s workflows.StepResult, lastFailure string) {
+		key := fmt.Sprintf("%d/%s", iter, s.ID)
+		state := s.Status
+		if s.Status == workflows.StatusRunning && s.Attempts > 1 {
+			state = fmt.Sprintf("running (attempt %d)", s.Attempts)
+		}
+		if seen[key] == state {
+			return
+		}
+		seen[key] = state
+		line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
+		switch {
+		case lastFailure != "" && s.Status == workflows.StatusRunning:
+			line += "  last failure: " + firstLine(lastFailure)
+		case s.Status == workflows.StatusFailed:
+			line += "  " + firstLine(s.Error)
+		case s.Status == workflows.StatusSkipped:
+			line += "  (" + s.Reason + ")"
+		case s.Status == workflows.StatusSucceeded:
+			if outs := formatOutputs(s.Outputs); outs != "" {
+				line += "  " + truncate(outs, 120)
+			}
+		}
+		say("%s", line)
+	}
+	// report finishes every iteration up to done: the final states of its
+	// steps that no poll saw (the next iteration starts within
+	// milliseconds), then OnIteration. A finished iteration's child
+	// workflow answers Get at once.
+	report := func(done int) {
+		for ; reported < done; reported++ {
+			var ir workflows.IterationResult
+			if err := c.GetWorkflow(ctx, workflows.IterationWorkflowID(run.GetID(), reported+1), "").Get(ctx, &ir); err != nil {
+				say("  (iteration %d result unavailable: %v)", reported+1, err)
+				continue
+			}
+			for _, s := range ir.Steps {
+				show(ir.Iteration, s, "")
+			}
+			if o.OnIteration == nil {
+				continue
+			}
+			if bar != nil {
+				_ = bar.Clear()
+			}
+			o.OnIteration(ir)
+			if bar != nil {
+				_ = bar.RenderBlank()
+			}
+		}
+	}
 	t := time.NewTicker(o.Interval)
 	defer t.Stop()
 	poll := func() {
@@ -62,6 +118,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			return
 		}
 		p := st.Progress
+		report(p.IterationsDone) // before the next iteration's header
 		if p.Iteration != lastIter && p.Iteration > 0 {
 			lastIter = p.Iteration
 			say("iteration %d  (%s)", p.Iteration, p.Child)
@@ -73,29 +130,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			}
 		}
 		for _, s := range st.Steps {
-			key := fmt.Sprintf("%d/%s", p.Iteration, s.ID)
-			state := s.Status
-			if s.Status == workflows.StatusRunning && s.Attempts > 1 {
-				state = fmt.Sprintf("running (attempt %d)", s.Attempts)
-			}
-			if seen[key] == state {
-				continue
-			}
-			seen[key] = state
-			line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
-			switch {
-			case s.LastFailure != "" && s.Status == workflows.StatusRunning:
-				line += "  last failure: " + firstLine(s.LastFailure)
-			case s.Status == workflows.StatusFailed:
-				line += "  " + firstLine(s.Error)
-			case s.Status == workflows.StatusSkipped:
-				line += "  (" + s.Reason + ")"
-			case s.Status == workflows.StatusSucceeded:
-				if outs := formatOutputs(s.Outputs); outs != "" {
-					line += "  " + truncate(outs, 120)
-				}
-			}
-			say("%s", line)
+			show(p.Iteration, s.StepResult, s.LastFailure)
 		}
 	}
 	for {
@@ -108,6 +143,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			if runErr != nil {
 				return nil, runErr
 			}
+			report(res.Iterations)
 			return &res, nil
 		case <-t.C:
 			poll()

@@ -182,7 +182,7 @@ func (r *pipelineRun) waitResume(ctx workflow.Context, pauseCh, resumeCh workflo
 // runIteration runs one child workflow, forwarding pause/resume to it.
 func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resumeCh workflow.ReceiveChannel) (IterationSummary, error) {
 	info := workflow.GetInfo(ctx)
-	id := fmt.Sprintf("%s/iter-%d", info.WorkflowExecution.ID, iter)
+	id := IterationWorkflowID(info.WorkflowExecution.ID, iter)
 	r.child = id
 	cctx := workflow.WithChildOptions(ctx, workflow.ChildWorkflowOptions{
 		WorkflowID: id,
@@ -264,4 +264,9 @@ func (r *pipelineRun) upsertDisconnected(ctx workflow.Context) {
 	dctx, cancel := workflow.NewDisconnectedContext(ctx)
 	defer cancel()
 	r.upsert(dctx)
+}
+
+// IterationWorkflowID is the workflow id of a pipeline run's iteration.
+func IterationWorkflowID(runID string, iteration int) string {
+	return fmt.Sprintf("%s/iter-%d", runID, iteration)
 }

@@ -6,32 +6,44 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/launch"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
 )
 
-// defaultDevPipeline is the example `rlflow dev` runs without a FILE.
-const defaultDevPipeline = "examples/hello.yaml"
+// defaultDevExample is the example `rlflow dev` runs without a FILE.
+const defaultDevExample = "rlhf-demo"
 
 func newDevCmd(g *globalFlags) *cobra.Command {
 	var params []string
 	var uiPort int
-	var exit, noBuild bool
-	var temporalPath, stateDir string
+	var exit, noBuild, useDouble bool
+	var temporalPath, stateDir, example string
 	cmd := &cobra.Command{
 		Use:   "dev [FILE]",
-		Short: "All in one: local Temporal dev server + UI, a worker, and a pipeline run",
+		Short: "All in one: local Temporal dev server + UI, a worker, a vLLM double, and the RLHF demo",
 		Long: `Dev starts a local Temporal dev server with its web UI (the Temporal CLI from
 ./bin/temporal; built from the Go module proxy on first use), a control worker
-in this process, and runs FILE (default: the embedded ` + defaultDevPipeline + `),
-printing each step as it runs and the UI link of the run. It then keeps the
-server and worker up for the UI until Ctrl-C, unless --exit is given.
+in this process, and runs FILE or an embedded example (--example, default
+` + defaultDevExample + `), printing each step as it runs and the UI link of the run.
+It then keeps the server and worker up for the UI until Ctrl-C, unless --exit
+is given.
+
+The default example, rlhf-demo, is vLLM's rlhf_http.py as a pipeline: for 3
+iterations it generates, trains with the DEMO TRAINER (rlflow demo-train),
+pauses, broadcasts the checkpoint (disk backend), resumes, generates again and
+evaluates. Its server is a vLLM TEST AND DEMO DOUBLE (not an inference engine)
+started in this process on a random loopback port; dev prints, per iteration,
+a sample from before and after the update and the eval score. With
+--vllm-double, a FILE's servers are replaced by such a double too; --example
+hello runs the shell-only example.
 
 If something already listens on --address, dev uses that server instead of
 starting one. State persists in --state-dir, so the UI keeps listing runs.`,
@@ -46,9 +58,32 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 			if err := os.MkdirAll(state, 0o755); err != nil {
 				return fmt.Errorf("creating %s: %w", state, err)
 			}
-			spec, values, err := devPipeline(args, params, state)
+			spec, values, err := devPipeline(args, example, params, state)
 			if err != nil {
 				return &exitError{code: 1, err: err}
+			}
+			if !cmd.Flags().Changed("vllm-double") {
+				useDouble = len(args) == 0 && len(spec.Servers) > 0
+			}
+			if useDouble {
+				// Generation C, disk backend, the untrained model of seed 0
+				// (demo-train's random:0), on random loopback ports.
+				addrs := make([]string, len(spec.Servers))
+				for i := range addrs {
+					addrs[i] = "127.0.0.1:0"
+				}
+				d, err := startDoubles(context.WithoutCancel(ctx), double.Config{Generation: double.GenC, Backend: double.BackendDisk, DevMode: true}, addrs)
+				if err != nil {
+					return err
+				}
+				defer d.stop()
+				for i := range spec.Servers {
+					spec.Servers[i] = pipelines.Server{URL: d.urls[i], API: string(double.GenC)}
+				}
+				fmt.Fprintf(out, "vLLM TEST AND DEMO DOUBLE (not an inference engine; generation C, disk backend) at %s\n", strings.Join(d.urls, ", "))
+			}
+			if exe, err := os.Executable(); err == nil && hasParam(spec, "rlflow") && !hasFlagParam(params, "rlflow") {
+				values["rlflow"] = exe // the demo's exec step runs this very binary
 			}
 
 			ui := fmt.Sprintf("http://localhost:%d", uiPort)
@@ -67,7 +102,8 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				return err
 			}
 			defer c.Close()
-			w, err := worker.NewControl(c, worker.Options{TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: filepath.Join(state, "logs")}})
+			w, err := worker.NewControl(c, worker.Options{TaskQueue: g.taskQueue,
+				Deps: activities.Deps{LogDir: filepath.Join(state, "logs"), DataDir: filepath.Join(state, "data")}})
 			if err != nil {
 				return err
 			}
@@ -75,7 +111,9 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				return fmt.Errorf("starting worker: %w", err)
 			}
 			defer w.Stop()
-			runErr := startAndFollow(ctx, c, g, spec, values, "", ui, true, out)
+			sum := &demoSummary{spec: spec, out: out}
+			runErr := startAndFollowWith(ctx, c, g, spec, values, "", ui, true, out, sum.iteration)
+			sum.finish()
 			if exit || ctx.Err() != nil {
 				return runErr
 			}
@@ -94,24 +132,27 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 	f.BoolVar(&noBuild, "no-build", false, "fail instead of building the Temporal CLI when it is missing")
 	f.StringVar(&temporalPath, "temporal", "", "path of the Temporal CLI binary (default: $RLFLOW_TEMPORAL, ./bin/temporal, PATH)")
 	f.StringVar(&stateDir, "state-dir", ".rlflow", "directory for the dev server's database, step logs and the example's work files")
+	f.StringVar(&example, "example", defaultDevExample, "embedded example to run without FILE: "+strings.Join(exampleNames(), ", "))
+	f.BoolVar(&useDouble, "vllm-double", false, "serve the pipeline's servers with in-process vLLM test doubles (default: on for embedded examples with servers)")
 	return cmd
 }
 
-// devPipeline loads FILE, or the embedded default example with its base_dir
-// set to a work directory under the state dir.
-func devPipeline(args, params []string, state string) (*pipelines.Pipeline, map[string]any, error) {
+// devPipeline loads FILE, or an embedded example with its base_dir set to
+// a work directory under the state dir, where its data files are copied.
+func devPipeline(args []string, example string, params []string, state string) (*pipelines.Pipeline, map[string]any, error) {
 	if len(args) == 1 {
 		return loadWithParams(args[0], params)
 	}
-	data, err := pipelines.Examples.ReadFile(defaultDevPipeline)
+	name := "examples/" + example + ".yaml"
+	data, err := pipelines.Examples.ReadFile(name)
 	if err != nil {
-		return nil, nil, fmt.Errorf("embedded %s: %w", defaultDevPipeline, err)
+		return nil, nil, fmt.Errorf("--example %q: no such embedded example (have %s)", example, strings.Join(exampleNames(), ", "))
 	}
 	work := filepath.Join(state, "work")
-	if err := os.MkdirAll(work, 0o755); err != nil {
+	if err := pipelines.CopyExampleData(work); err != nil {
 		return nil, nil, err
 	}
-	p, err := pipelines.Load("(embedded) pipelines/"+defaultDevPipeline, data)
+	p, err := pipelines.Load("(embedded) pipelines/"+name, data)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -125,6 +166,35 @@ func devPipeline(args, params []string, state string) (*pipelines.Pipeline, map[
 		return nil, nil, fmt.Errorf("params: %w", err)
 	}
 	return p, values, nil
+}
+
+func exampleNames() []string {
+	entries, _ := pipelines.Examples.ReadDir("examples")
+	var names []string
+	for _, e := range entries {
+		if n, ok := strings.CutSuffix(e.Name(), ".yaml"); ok {
+			names = append(names, n)
+		}
+	}
+	return names
+}
+
+func hasParam(p *pipelines.Pipeline, name string) bool {
+	for _, q := range p.Params {
+		if q.Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+func hasFlagParam(flags []string, name string) bool {
+	for _, f := range flags {
+		if k, _, _ := strings.Cut(f, "="); k == name {
+			return true
+		}
+	}
+	return false
 }
 
 func startDevServer(ctx context.Context, g *globalFlags, temporalPath string, uiPort int, state string, noBuild bool, out io.Writer) (*devserver.Server, error) {

@@ -77,6 +77,8 @@ and an example pipeline.`,
 		newWorkerCmd(g),
 		newDevCmd(g),
 		newSchemaCmd(),
+		newDoubleCmd(),
+		newDemoTrainCmd(),
 	)
 	return root
 }

@@ -79,6 +79,12 @@ same paths as the pipeline's base_dir.`,
 }
 
 func startAndFollow(ctx context.Context, c client.Client, g *globalFlags, spec *pipelines.Pipeline, params map[string]any, id, ui string, wait bool, out io.Writer) error {
+	return startAndFollowWith(ctx, c, g, spec, params, id, ui, wait, out, nil)
+}
+
+// startAndFollowWith is startAndFollow with a hook called with each finished
+// iteration's result while it follows the run.
+func startAndFollowWith(ctx context.Context, c client.Client, g *globalFlags, spec *pipelines.Pipeline, params map[string]any, id, ui string, wait bool, out io.Writer, onIteration func(workflows.IterationResult)) error {
 	sa, saErr := launch.EnsureSearchAttributes(ctx, c, g.namespace)
 	if saErr != nil {
 		fmt.Fprintf(os.Stderr, "warning: search attributes unavailable, runs will not be filterable by pipeline: %v\n", saErr)
@@ -100,7 +106,7 @@ func startAndFollow(ctx context.Context, c client.Client, g *globalFlags, spec *
 	if spec.Loop.Until != "" {
 		total = spec.Loop.MaxIterations
 	}
-	res, err := launch.Watch(ctx, c, run, launch.WatchOptions{Out: out, Bar: bar, Total: total})
+	res, err := launch.Watch(ctx, c, run, launch.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration})
 	if err != nil {
 		return &exitError{code: 1, err: fmt.Errorf("run %s failed: %w", run.GetID(), err)}
 	}

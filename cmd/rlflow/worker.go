@@ -14,7 +14,7 @@ import (
 )
 
 func newWorkerCmd(g *globalFlags) *cobra.Command {
-	var logDir string
+	var logDir, dataDir string
 	var maxActivities int
 	var gf gpuFlags
 	cmd := &cobra.Command{
@@ -43,13 +43,17 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 			if err != nil {
 				return err
 			}
+			data, err := filepath.Abs(dataDir)
+			if err != nil {
+				return err
+			}
 			c, err := launch.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
 			w, err := worker.NewControl(c, worker.Options{
-				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs}, MaxConcurrentActivities: maxActivities,
+				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data}, MaxConcurrentActivities: maxActivities,
 			})
 			if err != nil {
 				return err
@@ -58,13 +62,14 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 				return fmt.Errorf("starting worker: %w", err)
 			}
 			slog.New(slog.NewTextHandler(os.Stderr, nil)).Info("rlflow worker running",
-				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "pid", os.Getpid())
+				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "data_dir", data, "pid", os.Getpid())
 			<-ctx.Done()
 			w.Stop()
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&logDir, "log-dir", envOr("RLFLOW_LOG_DIR", ".rlflow/logs"), "directory for per-attempt step logs (env RLFLOW_LOG_DIR)")
+	cmd.Flags().StringVar(&dataDir, "data-dir", envOr("RLFLOW_DATA_DIR", ".rlflow/data"), "directory for generate and evaluate output files that steps do not place (env RLFLOW_DATA_DIR)")
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
 	gf.register(cmd)
 	return cmd
