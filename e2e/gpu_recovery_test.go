@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -220,16 +221,34 @@ func requireGPUWorkerCommand(t *testing.T, bin string) {
 func startGPUWorker(t *testing.T, bin, addr, logDir string) (*exec.Cmd, func() string) {
 	t.Helper()
 	cmd := exec.Command(bin, "worker", "--gpu", "--fake-nccl", "--advertise", "127.0.0.1", "--address", addr, "--log-dir", logDir)
+	return cmd, startCaptured(t, cmd, nil)
+}
+
+// startCaptured starts cmd with its stdout and stderr captured (read with
+// the returned func) and, when tee is not nil, copied there as well; the
+// process is killed at cleanup.
+func startCaptured(t *testing.T, cmd *exec.Cmd, tee io.Writer) func() string {
+	t.Helper()
 	var mu sync.Mutex
 	var out strings.Builder
-	w := writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return out.Write(p) })
+	w := writerFunc(func(p []byte) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if tee != nil {
+			_, _ = tee.Write(p)
+		}
+		return out.Write(p)
+	})
 	cmd.Stdout, cmd.Stderr = w, w
+	// Wait (not Process.Wait) drains the output into tee before cleanup
+	// closes it; WaitDelay bounds that when a child still holds the pipe.
+	cmd.WaitDelay = 5 * time.Second
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
-		_, _ = cmd.Process.Wait()
+		_ = cmd.Wait()
 	})
-	return cmd, func() string { mu.Lock(); defer mu.Unlock(); return out.String() }
+	return func() string { mu.Lock(); defer mu.Unlock(); return out.String() }
 }
 
 type writerFunc func([]byte) (int, error)

@@ -48,6 +48,20 @@ checkpoint, and POST /fail_next_update (test control, not vLLM) makes the
 next update_weights answer 500 before receiving anything, as a vLLM worker
 that rejects the metadata does. It prints "READY {json}" once listening.
 One rank per server (world size 1).
+
+It also serves vLLM's generation control, POST /pause?mode=abort|wait|keep
+({"status": "paused"}), POST /resume ({"status": "resumed"}) and GET
+/is_paused ({"is_paused": bool}); there is no generation, only the state.
+GET /received also holds, for recovery tests: the receive progress of the
+running update (chunks and bytes arrived, without a sync), the SHA-256s and
+weight version (named by finish_weight_update) of every completed update
+and whether it ran paused, every failed update_weights (error, time, chunks
+arrived), every init, the pause/resume call counts and an event log. An
+update_weights whose trainer dies fails with a 500 as soon as NCCL reports
+the lost peer, at the latest after --update-deadline, and aborts the
+communicator; the next /init_weight_transfer_engine builds a new one.
+--chunk-delay (test control) slows each update down between chunks so that
+a test can act in its middle.
 """
 
 import argparse
@@ -177,18 +191,23 @@ class Nccl:
         self.check(self.lib.ncclCommGetAsyncError(comm, ctypes.byref(r)), "ncclCommGetAsyncError")
         return r.value
 
-    def wait(self, stream, comm, deadline):
-        """Wait for stream while watching the communicator, so that a
-        trainer that aborted (its sockets closed) ends the wait with an
-        error instead of a hang; the caller then aborts the communicator."""
+    def wait(self, work, comm, deadline, on_poll=None):
+        """Wait for work (a CUDA stream or event) while watching the
+        communicator, so that a trainer that died or aborted (its sockets
+        closed) ends the wait with an error instead of a hang; the caller
+        then aborts the communicator. on_poll runs on every poll (progress)."""
         NCCL_IN_PROGRESS = 7
-        while not stream.query():
+        while not work.query():
+            if on_poll is not None:
+                on_poll()
             r = self.async_error(comm)
             if r not in (0, NCCL_IN_PROGRESS):
                 raise RuntimeError("NCCL error while receiving: %s (ncclResult %d)" % (self.lib.ncclGetErrorString(r).decode(), r))
             if time.monotonic() > deadline:
                 raise RuntimeError("receive did not complete before its deadline")
             time.sleep(0.001)
+        if on_poll is not None:
+            on_poll()
 
 
 def self_test():
@@ -207,6 +226,27 @@ def self_test():
     back = pickle.loads(raw)
     assert type(back).__module__ == "vllm.distributed.device_communicators.pynccl_wrapper"
     assert bytes(back.internal) == bytes(uid.internal)
+    # --http's generation control and report, without torch.
+    w = HTTPWorker.__new__(HTTPWorker)
+    w.init_state()
+    assert w.is_paused() == {"is_paused": False}
+    assert w.pause({}, {"mode": ["keep"]}) == {"status": "paused"}
+    assert w.pause({}, {}) == {"status": "paused"}  # mode defaults to abort
+    assert w.is_paused() == {"is_paused": True}
+    try:
+        w.pause({}, {"mode": ["later"]})
+        raise AssertionError("pause accepted mode=later")
+    except HTTPFailure as e:
+        assert e.code == 422, e.code
+    assert w.resume({}) == {"status": "resumed"}
+    rep = w.report()
+    assert (rep["paused"], rep["pause_calls"], rep["resume_calls"]) == (False, 2, 1), rep
+    assert [e["what"] for e in rep["events"]] == ["pause keep", "pause abort", "resume"], rep["events"]
+    assert w.start({}) == {"message": "Weight update started"}
+    entry = {"update": 1, "version": None}
+    w.session_updates.append(entry)
+    w.finish({"weight_version": "v1"})
+    assert entry["version"] == "v1" and w.version == "v1" and not w.session
     print("receiver self-test PASS")
 
 
@@ -236,8 +276,18 @@ UPDATE_KEYS = {"names", "dtype_names", "shapes"}
 PACKED_KEYS = {"packed", "packed_buffer_size_bytes", "packed_num_buffers"}
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class HTTPWorker:
-    """The state of one emulated single-rank vLLM server (--http mode)."""
+    """The state of one emulated single-rank vLLM server (--http mode).
+
+    self.lock serialises the worker RPCs (init, start, update, finish) as
+    vLLM runs them, one at a time. What a test reads while an update runs
+    (progress, pause state, history) is guarded by self.state instead,
+    which is never held across NCCL work: GET /received, /is_paused and
+    POST /pause, /resume answer during a broadcast, as vLLM's API server
+    does while its workers receive."""
 
     def __init__(self, args):
         import torch
@@ -246,16 +296,35 @@ class HTTPWorker:
         self.shim = install_shim()
         self.nccl = Nccl(args.nccl_lib, self.shim.ncclUniqueId)
         self.dev = torch.device("cuda", args.device)
+        self.init_state()
+
+    def init_state(self):
+        """Everything but torch and NCCL (the self-test builds only this)."""
         self.lock = threading.Lock()  # vLLM runs these worker RPCs one at a time
+        self.state = threading.Lock()  # what the report reads; never held across NCCL work
         self.comm = None
         self.store = None
         self.init_info = None
         self.session = False
+        self.session_updates = []  # history entries of the open session: finish names their version
         self.version = None
         self.fail_next = 0
-        self.updates = 0
+        self.updates = 0  # update_weights that completed
+        self.calls = 0  # update_weights that started receiving
         self.last = {}
         self.last_stats = {}
+        self.history = []  # per completed update: SHA-256 per tensor, version, paused
+        self.failures = []  # per update_weights that failed while receiving
+        self.inits = []  # per completed init_weight_transfer_engine
+        self.progress = {}  # the running (or last) update's receive progress
+        self.paused = False
+        self.pause_calls = 0
+        self.resume_calls = 0
+        self.events = []  # control and transfer calls in order, for the test's logs
+
+    def event(self, what):
+        """Record what happened (call with self.state held)."""
+        self.events.append({"t": time.time(), "what": what})
 
     @staticmethod
     def info(body, name, allowed):
@@ -270,46 +339,99 @@ class HTTPWorker:
 
     def drop_comm(self):
         if self.comm is not None:
+            log("aborting the communicator")
             self.nccl.lib.ncclCommAbort(self.comm)
             self.comm = None
         self.store = None
+
+    # -- generation control (no generation runs here: only the state) --
+
+    def pause(self, body, query):
+        mode = (query.get("mode") or ["abort"])[-1]
+        if mode not in PAUSE_MODES:
+            raise HTTPFailure(422, "query.mode: Input should be 'abort', 'wait' or 'keep', got %r" % mode)
+        # No requests are in flight here: abort has nothing to abort, keep
+        # nothing to freeze, wait nothing to wait for.
+        with self.state:
+            self.paused = True
+            self.pause_calls += 1
+            self.event("pause " + mode)
+        return {"status": "paused"}
+
+    def resume(self, body):
+        with self.state:
+            self.paused = False
+            self.resume_calls += 1
+            self.event("resume")
+        return {"status": "resumed"}
+
+    def is_paused(self):
+        with self.state:
+            return {"is_paused": self.paused}
+
+    # -- weight transfer --
 
     def init_engine(self, body):
         allowed = INIT_KEYS | (PACKED_KEYS if self.args.api == "D" else set())
         info = self.info(body, "init_info", allowed)
         torch = self.torch
+        # Waits for a running update_weights: when its trainer died, that
+        # one fails within --update-deadline (sooner on the NCCL error).
         with self.lock:
             torch.cuda.set_device(self.args.device)
-            self.drop_comm()  # re-initialising replaces the communicator
+            # Re-initialising replaces the communicator: a trainer that died
+            # left the old one without a peer, so it is aborted, not destroyed.
+            self.drop_comm()
             world, rank = int(info["world_size"]), int(info["rank_offset"])
             log("init: TCPStore %s:%s, rank %d of %d" % (info["master_address"], info["master_port"], rank, world))
-            store = self.dist.TCPStore(info["master_address"], int(info["master_port"]), world_size=world, is_master=False,
-                                       timeout=datetime.timedelta(seconds=self.args.store_timeout), use_libuv=False)
-            uid = pickle.loads(store.get("broadcast_from/0/0"))
-            if not isinstance(uid, self.shim.ncclUniqueId):
-                raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
-            comm = self.nccl.init_rank(world, uid, rank)
-            stream = torch.cuda.current_stream(self.dev)
-            warm = torch.zeros(1, dtype=torch.float32, device=self.dev)
-            self.nccl.all_reduce(ctypes.c_void_p(warm.data_ptr()), 1, NCCL_FLOAT32, comm, ctypes.c_void_p(stream.cuda_stream))
-            stream.synchronize()
+            t0 = time.perf_counter()
+            try:
+                store = self.dist.TCPStore(info["master_address"], int(info["master_port"]), world_size=world, is_master=False,
+                                           timeout=datetime.timedelta(seconds=self.args.store_timeout), use_libuv=False)
+                uid = pickle.loads(store.get("broadcast_from/0/0"))
+                if not isinstance(uid, self.shim.ncclUniqueId):
+                    raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
+                comm = self.nccl.init_rank(world, uid, rank)
+                stream = torch.cuda.current_stream(self.dev)
+                warm = torch.zeros(1, dtype=torch.float32, device=self.dev)
+                self.nccl.all_reduce(ctypes.c_void_p(warm.data_ptr()), 1, NCCL_FLOAT32, comm, ctypes.c_void_p(stream.cuda_stream))
+                stream.synchronize()
+            except Exception as e:
+                with self.state:
+                    self.event("init failed: %s: %s" % (type(e).__name__, e))
+                raise
             self.comm, self.store, self.init_info = comm, store, info
-            log("init: communicator ready (warm-up done)")
+            secs = time.perf_counter() - t0
+            with self.state:
+                self.inits.append({"at": time.time(), "master_port": int(info["master_port"]), "seconds": secs})
+                self.event("init port %s" % info["master_port"])
+            log("init: communicator ready (warm-up done) in %.2fs" % secs)
         return {"message": "Weight transfer initialized"}
 
     def start(self, body):
         with self.lock:
             if self.session:
                 raise HTTPFailure(500, "RuntimeError: a weight update session is already open")
-            self.session = True
+            with self.state:
+                self.session = True
+                self.session_updates = []
+                self.event("start")
         return {"message": "Weight update started"}
 
     def finish(self, body):
         with self.lock:
             if not self.session:
                 raise HTTPFailure(500, "RuntimeError: no open weight update session")
-            self.session = False
-            self.version = body.get("weight_version") or self.version
+            version = body.get("weight_version")
+            with self.state:
+                self.session = False
+                self.version = version or self.version
+                # The version names the updates of this session (none when a
+                # trainer closes a dead one's session with an empty version).
+                for e in self.session_updates:
+                    e["version"] = version or None
+                self.session_updates = []
+                self.event("finish %s" % (version or "-"))
         return {"message": "Weight update finished"}
 
     def update(self, body):
@@ -333,46 +455,113 @@ class HTTPWorker:
                 raise HTTPFailure(500, "ValueError: update_info lists differ in length")
             sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
             chunks = plan_chunks(sizes, packed, threshold)
-            stream = torch.cuda.current_stream(self.dev)
-            sp = ctypes.c_void_p(stream.cuda_stream)
-            received = {}
+            with self.state:
+                self.calls += 1
+                n = self.calls
+                self.progress = {"update": n, "running": True, "chunks": len(chunks), "chunks_done": 0,
+                                 "bytes": sum(sizes), "bytes_done": 0}
+                self.event("update %d: receiving %d chunks" % (n, len(chunks)))
             t0 = time.perf_counter()
-            for chunk in chunks:
-                if packed:
-                    nbytes = sum(sizes[i] for i in chunk)
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
-                    self.nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), nbytes, NCCL_UINT8, self.comm, sp)
-                    off = 0
-                    for i in chunk:
-                        received[names[i]] = buf[off:off + sizes[i]]
-                        off += sizes[i]
-                else:
-                    i = chunk[0]
-                    t = torch.empty([int(d) for d in shapes[i]], dtype=getattr(torch, dtypes[i]), device=self.dev)
-                    self.nccl.broadcast(ctypes.c_void_p(t.data_ptr()), t.numel(), NCCL_DTYPES[dtypes[i]], self.comm, sp)
-                    received[names[i]] = t.reshape(-1).view(torch.uint8)
             try:
-                self.nccl.wait(stream, self.comm, time.monotonic() + self.args.update_deadline)
-            except Exception:
-                self.drop_comm()  # its kernels exit; the next init builds a new one
+                received = self.receive(names, dtypes, shapes, sizes, chunks, packed)
+            except Exception as e:
+                # The trainer died or aborted (NCCL error) or the deadline
+                # passed: abort the communicator, whose kernels then exit; the
+                # next init builds a new one. The session stays open, as in
+                # vLLM: the next trainer closes it.
+                self.drop_comm()
+                secs = time.perf_counter() - t0
+                with self.state:
+                    self.progress["running"] = False
+                    self.failures.append({"update": n, "at": time.time(), "seconds": secs,
+                                          "error": "%s: %s" % (type(e).__name__, e),
+                                          "chunks_done": self.progress["chunks_done"], "chunks": len(chunks)})
+                    self.event("update %d failed after %.2fs: %s" % (n, secs, e))
+                log("update %d failed after %.2fs: %s" % (n, secs, e))
                 raise
             secs = time.perf_counter() - t0
             import hashlib
-            self.last = {n: hashlib.sha256(received[n].cpu().numpy().tobytes()).hexdigest() for n in names}
-            self.updates += 1
-            self.last_stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
-                               "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed}
-            log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (self.updates, len(names), len(chunks), sum(sizes), secs))
+            digests = {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
+            stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
+                     "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed}
+            with self.state:
+                entry = {"update": n, "at": time.time(), "sha256": digests, "version": None,
+                         "paused": self.paused, "stats": stats}
+                self.history.append(entry)
+                self.session_updates.append(entry)
+                self.last, self.last_stats = digests, stats
+                self.updates += 1
+                self.progress["running"] = False
+                self.event("update %d: done, %d bytes in %.2fs" % (n, sum(sizes), secs))
+            log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (n, len(names), len(chunks), sum(sizes), secs))
         return {"message": "Weights updated"}
 
+    def receive(self, names, dtypes, shapes, sizes, chunks, packed):
+        """The broadcasts of one update; returns name -> uint8 view.
+
+        A CUDA event after each chunk's broadcast tells, without a sync,
+        how many chunks have arrived (GET /received's progress). With
+        --chunk-delay each chunk is awaited and followed by a pause before
+        the next receive is posted: the trainer's next broadcast waits for
+        it, so an update lasts long enough for a test to act in its middle.
+        Every wait watches the communicator and --update-deadline."""
+        torch = self.torch
+        stream = torch.cuda.current_stream(self.dev)
+        sp = ctypes.c_void_p(stream.cuda_stream)
+        deadline = time.monotonic() + self.args.update_deadline
+        ends = []  # bytes received once chunk k has arrived
+        for chunk in chunks:
+            ends.append((ends[-1] if ends else 0) + sum(sizes[i] for i in chunk))
+        events, done = [], [0]
+
+        def advance():
+            k = done[0]
+            while k < len(events) and events[k].query():
+                k += 1
+            if k != done[0]:
+                done[0] = k
+                with self.state:
+                    self.progress["chunks_done"] = k
+                    self.progress["bytes_done"] = ends[k - 1]
+
+        received = {}
+        for chunk in chunks:
+            if packed:
+                nbytes = sum(sizes[i] for i in chunk)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+                self.nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), nbytes, NCCL_UINT8, self.comm, sp)
+                off = 0
+                for i in chunk:
+                    received[names[i]] = buf[off:off + sizes[i]]
+                    off += sizes[i]
+            else:
+                i = chunk[0]
+                t = torch.empty([int(d) for d in shapes[i]], dtype=getattr(torch, dtypes[i]), device=self.dev)
+                self.nccl.broadcast(ctypes.c_void_p(t.data_ptr()), t.numel(), NCCL_DTYPES[dtypes[i]], self.comm, sp)
+                received[names[i]] = t.reshape(-1).view(torch.uint8)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+            if self.args.chunk_delay > 0:
+                self.nccl.wait(ev, self.comm, deadline, advance)
+                time.sleep(self.args.chunk_delay)
+        self.nccl.wait(stream, self.comm, deadline, advance)
+        return received
+
     def report(self):
-        with self.lock:
-            return {"updates": self.updates, "sha256": self.last, "stats": self.last_stats, "version": self.version}
+        with self.state:
+            # A deep copy: the reply is encoded after the lock is released.
+            return json.loads(json.dumps({
+                "updates": self.updates, "sha256": self.last, "stats": self.last_stats, "version": self.version,
+                "calls": self.calls, "history": self.history, "failures": self.failures, "inits": self.inits,
+                "progress": self.progress, "session_open": self.session, "paused": self.paused,
+                "pause_calls": self.pause_calls, "resume_calls": self.resume_calls, "events": self.events,
+            }))
 
 
 def serve_http(args):
     import http.server
-    from urllib.parse import urlparse
+    from urllib.parse import parse_qs, urlparse
 
     wd = threading.Timer(args.deadline, lambda: (log("watchdog: %.0fs deadline passed, exiting" % args.deadline), os._exit(4)))
     wd.daemon = True
@@ -383,7 +572,9 @@ def serve_http(args):
         "/start_weight_update": worker.start,
         "/update_weights": worker.update,
         "/finish_weight_update": worker.finish,
+        "/resume": worker.resume,
     }
+    posts_query = {"/pause": worker.pause}  # handlers that read the query string
 
     def fail_next(body):
         with worker.lock:
@@ -393,6 +584,7 @@ def serve_http(args):
     gets = {
         "/get_world_size": lambda: {"world_size": 1},
         "/weight_info": lambda: {"weight_version": worker.version},
+        "/is_paused": worker.is_paused,
         "/received": worker.report,
     }
 
@@ -404,33 +596,43 @@ def serve_http(args):
 
         def reply(self, code, obj):
             b = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b)))
-            self.end_headers()
-            self.wfile.write(b)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(b)))
+                self.end_headers()
+                self.wfile.write(b)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # The caller is gone (a killed trainer's update_weights).
+                log("http: %s %s: could not answer %d, the client went away (%s)" % (self.command, self.path, code, e))
+                self.close_connection = True
 
         def do_GET(self):
             path = urlparse(self.path).path
             if path in gets:
                 self.reply(200, gets[path]())
-            elif path in posts:
+            elif path in posts or path in posts_query:
                 self.reply(405, {"detail": "Method Not Allowed"})
             else:
                 self.reply(404, {"detail": "Not Found"})
 
         def do_POST(self):
-            path = urlparse(self.path).path
+            url = urlparse(self.path)
+            path = url.path
             n = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(n) if n else b""
-            if path not in posts:
+            if path not in posts and path not in posts_query:
                 self.reply(405 if path in gets else 404, {"detail": "Not Found"})
                 return
             try:
                 body = json.loads(raw) if raw.strip() else {}
                 if not isinstance(body, dict):
                     raise HTTPFailure(400, "body is not a JSON object")
-                self.reply(200, posts[path](body))
+                if path in posts_query:
+                    out = posts_query[path](body, parse_qs(url.query))
+                else:
+                    out = posts[path](body)
+                self.reply(200, out)
             except HTTPFailure as e:
                 self.reply(e.code, {"detail": e.detail})
             except Exception as e:  # a worker exception: vLLM answers 500
@@ -467,7 +669,11 @@ def main():
     ap.add_argument("--http", type=int, default=0, metavar="PORT",
                     help="serve the vLLM-like HTTP routes on 127.0.0.1:PORT (see the module doc)")
     ap.add_argument("--api", default="D", choices=["C", "D"], help="--http: the API generation to emulate")
-    ap.add_argument("--update-deadline", type=float, default=120.0, help="--http: seconds one update_weights may take")
+    ap.add_argument("--update-deadline", type=float, default=120.0,
+                    help="--http: seconds one update_weights may take; past it (or on an NCCL error, e.g. the trainer died) it fails with a 500 and the communicator is aborted")
+    ap.add_argument("--chunk-delay", type=float, default=0.0, metavar="SECONDS",
+                    help="--http, test control: after each chunk has arrived, wait this long before receiving the next "
+                         "(the trainer's next broadcast waits too), so that a test can act in the middle of an update")
     ap.add_argument("--plan-only", action="store_true",
                     help="print the wire sequence planned from --meta as PLAN {json} and exit (no torch, no GPU)")
     args = ap.parse_args()
