@@ -26,6 +26,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -394,8 +395,9 @@ func getReceived(ctx context.Context, url string) (receiverReport, []byte, error
 	return rep, raw, nil
 }
 
-// pollReceiver polls GET /received every 5 ms until done says so, done
-// fails, or ctx ends.
+// pollReceiver polls GET /received until done says so, done fails, or ctx
+// ends: every 5 ms while an update runs (a chunk takes ~0.1 s), else every
+// 50 ms.
 func pollReceiver(ctx context.Context, url string, done func(receiverReport) (bool, error)) (receiverReport, error) {
 	var last receiverReport
 	var lastErr error
@@ -410,10 +412,14 @@ func pollReceiver(ctx context.Context, url string, done func(receiverReport) (bo
 		} else {
 			lastErr = err
 		}
+		every := 50 * time.Millisecond
+		if last.Progress.Running {
+			every = 5 * time.Millisecond
+		}
 		select {
 		case <-ctx.Done():
 			return last, fmt.Errorf("%w (last receiver error: %v; last progress %+v)", ctx.Err(), lastErr, last.Progress)
-		case <-time.After(5 * time.Millisecond):
+		case <-time.After(every):
 		}
 	}
 }
@@ -582,6 +588,8 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 			return false, fmt.Errorf("iteration 1's update completed before the GPU worker could be killed in its middle (%d chunks): raise receiverChunkDelay", r.Progress.Chunks)
 		case len(r.Failures) > 0:
 			return false, fmt.Errorf("iteration 1's update failed before the kill: %+v", r.Failures)
+		case exited(gpu1.Process.Pid):
+			return false, errors.New("GPU worker 1 exited on its own")
 		}
 		p := r.Progress
 		return p.Update == 1 && p.Running && p.ChunksDone > 0 && p.ChunksDone < p.Chunks, nil
