@@ -17,16 +17,19 @@ func TestDockerCompose(t *testing.T) {
 	require.NoError(t, err)
 	var doc struct {
 		Services map[string]struct {
-			Image   string   `yaml:"image"`
-			Build   any      `yaml:"build"`
-			Ports   []string `yaml:"ports"`
-			Command []string `yaml:"command"`
+			Image    string   `yaml:"image"`
+			Build    any      `yaml:"build"`
+			Ports    []string `yaml:"ports"`
+			Command  []string `yaml:"command"`
+			Profiles []string `yaml:"profiles"`
 		} `yaml:"services"`
 	}
 	require.NoError(t, yaml.Unmarshal(b, &doc))
-	for _, name := range []string{"postgresql", "temporal", "temporal-ui", "rlflow-worker"} {
+	for _, name := range []string{"postgresql", "temporal", "temporal-ui", "rlflow-worker", "rlflow-gpu-worker", "vllm"} {
 		assert.Contains(t, doc.Services, name)
 	}
+	assert.Contains(t, doc.Services["rlflow-gpu-worker"].Command, "--gpu")
+	assert.Equal(t, []string{"gpu"}, doc.Services["vllm"].Profiles, "vLLM needs a GPU: only with --profile gpu")
 	assert.Equal(t, []string{"worker", "--log-dir", "/data/logs"}, doc.Services["rlflow-worker"].Command)
 	for name, s := range doc.Services {
 		for _, p := range s.Ports {
