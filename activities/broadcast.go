@@ -285,6 +285,13 @@ func closeSession(ctx context.Context, c *vllm.Client, version string) error {
 // keepHeartbeating heartbeats until stop, for steps that wait on one long
 // call (update_weights of a large checkpoint).
 func (a *Activities) keepHeartbeating(ctx context.Context) (stop func()) {
+	return a.heartbeatLoop(ctx, func() { activity.RecordHeartbeat(ctx) })
+}
+
+// heartbeatLoop calls beat every heartbeatEvery until the returned stop (or
+// ctx's end); stop waits for a beat in progress. Outside an activity it does
+// nothing, so the activities run in plain tests too.
+func (a *Activities) heartbeatLoop(ctx context.Context, beat func()) (stop func()) {
 	if !activity.IsActivity(ctx) {
 		return func() {}
 	}
@@ -300,7 +307,7 @@ func (a *Activities) keepHeartbeating(ctx context.Context) (stop func()) {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				activity.RecordHeartbeat(ctx)
+				beat()
 			}
 		}
 	})

@@ -491,26 +491,7 @@ func encodeBlock(rows []Rollout) ([]byte, error) {
 
 // heartbeat records progress every heartbeatEvery until the returned stop.
 func (g *genRun) heartbeat(ctx context.Context, partial string, durable *atomic.Int64, total int) (stop func()) {
-	if !activity.IsActivity(ctx) {
-		return func() {}
-	}
-	quit := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(g.a.heartbeatEvery(ctx))
-		defer t.Stop()
-		for {
-			select {
-			case <-quit:
-				return
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				g.recordProgress(ctx, partial, int(durable.Load()), total)
-			}
-		}
-	})
-	return func() { close(quit); wg.Wait() }
+	return g.a.heartbeatLoop(ctx, func() { g.recordProgress(ctx, partial, int(durable.Load()), total) })
 }
 
 func (g *genRun) recordProgress(ctx context.Context, partial string, done, total int) {
