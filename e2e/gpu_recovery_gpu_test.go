@@ -23,13 +23,11 @@ import (
 	"bufio"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -43,6 +41,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/devtest"
+	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/launch"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/safetensors"
@@ -125,9 +124,7 @@ func requireGPUHost(t *testing.T) gpuHost {
 	if h.python == "" {
 		h.python = "python3"
 	}
-	if v, err := strconv.Atoi(os.Getenv("RLFLOW_GPU_DEVICE")); err == nil {
-		h.device = v
-	}
+	h.device = gputest.Device()
 	out, err = exec.CommandContext(ctx, h.python, "-c",
 		"import torch; assert torch.cuda.is_available(), 'torch.cuda.is_available() is False'; print(torch.__version__)").CombinedOutput()
 	if err != nil {
@@ -203,14 +200,7 @@ func receiverScriptPath(t *testing.T) string {
 
 func gpuLogsDir(t *testing.T) string {
 	t.Helper()
-	d := os.Getenv("RLFLOW_GPU_LOGS")
-	if d == "" {
-		var err error
-		d, err = os.MkdirTemp("", "rlflow-gpu-logs-")
-		require.NoError(t, err)
-	}
-	require.NoError(t, os.MkdirAll(d, 0o755))
-	abs, err := filepath.Abs(d)
+	abs, err := filepath.Abs(gputest.LogDir(t, ""))
 	require.NoError(t, err)
 	return abs
 }
@@ -245,39 +235,11 @@ func killGroup(cmd *exec.Cmd) {
 
 // ---- the checkpoint ----
 
-type gpuTensorSpec struct {
-	name  string
-	dtype safetensors.DType
-	shape []int64
-}
-
 // gpuRecoverySpecs is a 1.29 GB bf16 decoder-shaped model of 58 tensors,
 // with the awkward ones the GPU tests use (1, 3x5x7 and 65537 elements, an
 // f32 scalar, int64, a zero-size tensor): 12 chunks when packed with a
 // 64 MiB threshold (a chunk closes after the tensor that crosses it).
-func gpuRecoverySpecs() []gpuTensorSpec {
-	const h, inter, vocab = 2048, 5632, 32000
-	specs := []gpuTensorSpec{
-		{"model.embed_tokens.weight", safetensors.BF16, []int64{vocab, h}},
-		{"odd.one", safetensors.BF16, []int64{1}},
-		{"odd.3x5x7", safetensors.BF16, []int64{3, 5, 7}},
-		{"odd.scalar", safetensors.F32, []int64{}},
-		{"odd.empty", safetensors.BF16, []int64{0, 16}},
-		{"odd.i64", safetensors.I64, []int64{7}},
-		{"odd.65537", safetensors.BF16, []int64{65537}},
-	}
-	for l := range 10 {
-		p := fmt.Sprintf("model.layers.%d.", l)
-		specs = append(specs,
-			gpuTensorSpec{p + "input_layernorm.weight", safetensors.BF16, []int64{h}},
-			gpuTensorSpec{p + "self_attn.qkv_proj.weight", safetensors.BF16, []int64{3 * h, h}},
-			gpuTensorSpec{p + "self_attn.o_proj.weight", safetensors.BF16, []int64{h, h}},
-			gpuTensorSpec{p + "mlp.gate_up_proj.weight", safetensors.BF16, []int64{2 * inter, h}},
-			gpuTensorSpec{p + "mlp.down_proj.weight", safetensors.BF16, []int64{h, inter}},
-		)
-	}
-	return append(specs, gpuTensorSpec{"lm_head.weight", safetensors.BF16, []int64{vocab, h}})
-}
+func gpuRecoverySpecs() []gputest.Spec { return gputest.DecoderSpecs(2048, 5632, 32000, 10) }
 
 // writeGPURecoveryCheckpoint writes dir/model.safetensors with xorshift
 // bytes from seed (every checkpoint differs) and returns the SHA-256 of
@@ -292,26 +254,13 @@ func writeGPURecoveryCheckpoint(t *testing.T, dir string, seed uint64) (map[stri
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, runtime.NumCPU())
 	for i, s := range specs {
-		n := int64(1)
-		for _, d := range s.shape {
-			n *= d
-		}
-		data := make([]byte, n*int64(s.dtype.ItemSize()))
+		data := make([]byte, s.Bytes())
 		total += int64(len(data))
-		wt[i] = safetensors.WriteTensor{Name: s.name, DType: s.dtype, Shape: s.shape, Data: data}
+		wt[i] = safetensors.WriteTensor{Name: s.Name, DType: s.DType, Shape: s.Shape, Data: data}
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			x := seed*0x9e3779b97f4a7c15 + uint64(i+1)*0xbf58476d1ce4e5b9
-			for j := 0; j+8 <= len(data); j += 8 {
-				x ^= x << 13
-				x ^= x >> 7
-				x ^= x << 17
-				binary.LittleEndian.PutUint64(data[j:], x)
-			}
-			for j := len(data) &^ 7; j < len(data); j++ {
-				data[j] = byte(j) + byte(seed)
-			}
+			gputest.XorshiftFill(data, seed, i)
 			sum := sha256.Sum256(data)
 			sums[i] = hex.EncodeToString(sum[:])
 		})
@@ -321,7 +270,7 @@ func writeGPURecoveryCheckpoint(t *testing.T, dir string, seed uint64) (map[stri
 	require.NoError(t, safetensors.Write(filepath.Join(dir, "model.safetensors"), wt, map[string]string{"rlflow_gen": "gpu-host-recovery"}))
 	out := map[string]string{}
 	for i, s := range specs {
-		out[s.name] = sums[i]
+		out[s.Name] = sums[i]
 	}
 	return out, total
 }
@@ -495,7 +444,7 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	// What can be checked without a GPU runs first, so that a broken
 	// pipeline or a missing receiver shows on a CPU machine too.
 	script := receiverScriptPath(t)
-	port := freePortE2E(t)
+	port := gputest.FreePort(t)
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	dir := t.TempDir()
 	ckptRoot := filepath.Join(dir, "ckpt")
@@ -700,15 +649,6 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	assert.False(t, isPaused(t, url), "resume ran after every pause")
 	note("inits %d, failed updates %d, completed %d, version %s, pause/resume calls %d/%d, is_paused false",
 		len(final.Inits), len(final.Failures), len(final.History), final.Version, final.PauseCalls, final.ResumeCalls)
-}
-
-// freePortE2E is a free loopback TCP port (receiver.py binds it by number).
-func freePortE2E(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 // exited reports whether process pid is gone or a zombie (exited, not yet

@@ -17,12 +17,9 @@ import (
 	"bufio"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -35,85 +32,11 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/nccl/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )
-
-func gpuDevice() int {
-	if v, err := strconv.Atoi(os.Getenv("RLFLOW_GPU_DEVICE")); err == nil {
-		return v
-	}
-	return 0
-}
-
-var gpuOnce struct {
-	sync.Once
-	lib *nccl.Library
-	err error
-}
-
-// gpuLib loads the real libraries or skips the test, saying what is missing.
-func gpuLib(t *testing.T) *nccl.Library {
-	t.Helper()
-	gpuOnce.Do(func() {
-		// NCCL reads NCCL_HOSTID when it first initialises: the trainer must
-		// look like another host than the receivers on the same GPU.
-		if os.Getenv("NCCL_HOSTID") == "" {
-			os.Setenv("NCCL_HOSTID", "rlflow-trainer")
-		}
-		lib, err := nccl.Load(nccl.Config{})
-		if err != nil {
-			gpuOnce.err = err
-			return
-		}
-		dev, err := nccl.OpenDevice(lib, gpuDevice())
-		if err != nil {
-			gpuOnce.err = err
-			return
-		}
-		defer dev.Close()
-		gpuOnce.err = dev.Do(context.Background(), func(api nccl.API) error {
-			n, err := api.GetDeviceCount()
-			if err == nil && n == 0 {
-				err = errors.New("no CUDA device")
-			}
-			return err
-		})
-		gpuOnce.lib = lib
-	})
-	if gpuOnce.err != nil {
-		t.Skipf("skipping GPU test: %v", gpuOnce.err)
-	}
-	v, _ := gpuOnce.lib.NCCLVersion()
-	t.Logf("NCCL %d from %s, CUDA runtime %s", v, gpuOnce.lib.NCCLPath(), gpuOnce.lib.CUDARTPath())
-	return gpuOnce.lib
-}
-
-func verdict(t *testing.T, ok bool, format string, args ...any) {
-	t.Helper()
-	word := "PASS"
-	if !ok {
-		word = "FAIL"
-	}
-	msg := fmt.Sprintf(format, args...)
-	fmt.Printf("GPU-%s %s: %s\n", word, t.Name(), msg)
-	if !ok {
-		t.Error(msg)
-	}
-}
-
-func logDir(t *testing.T) string {
-	d := os.Getenv("RLFLOW_GPU_LOGS")
-	if d == "" {
-		d = "gpu-logs"
-	}
-	if err := os.MkdirAll(d, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	return d
-}
 
 func receiverScript(t *testing.T) string {
 	t.Helper()
@@ -151,50 +74,11 @@ func genCheckpoint(t *testing.T, seed int) string {
 			return path
 		}
 	}
-	type spec struct {
-		name  string
-		dtype safetensors.DType
-		shape []int64
-	}
-	const h, inter = 1024, 2816
-	specs := []spec{
-		{"model.embed_tokens.weight", safetensors.BF16, []int64{32000, h}},
-		{"odd.one", safetensors.BF16, []int64{1}},
-		{"odd.3x5x7", safetensors.BF16, []int64{3, 5, 7}},
-		{"odd.scalar", safetensors.F32, []int64{}},
-		{"odd.empty", safetensors.BF16, []int64{0, 16}},
-		{"odd.i64", safetensors.I64, []int64{7}},
-		{"odd.65537", safetensors.BF16, []int64{65537}},
-	}
-	for l := 0; l < 12; l++ {
-		p := fmt.Sprintf("model.layers.%d.", l)
-		specs = append(specs,
-			spec{p + "input_layernorm.weight", safetensors.BF16, []int64{h}},
-			spec{p + "self_attn.qkv_proj.weight", safetensors.BF16, []int64{3 * h, h}},
-			spec{p + "self_attn.o_proj.weight", safetensors.BF16, []int64{h, h}},
-			spec{p + "mlp.gate_up_proj.weight", safetensors.BF16, []int64{2 * inter, h}},
-			spec{p + "mlp.down_proj.weight", safetensors.BF16, []int64{h, inter}},
-		)
-	}
-	specs = append(specs, spec{"lm_head.weight", safetensors.BF16, []int64{32000, h}})
 	var wt []safetensors.WriteTensor
-	for i, s := range specs {
-		n := int64(1)
-		for _, d := range s.shape {
-			n *= d
-		}
-		data := make([]byte, n*int64(s.dtype.ItemSize()))
-		x := uint64(seed)*0x9e3779b97f4a7c15 + uint64(i+1)*0xbf58476d1ce4e5b9
-		for j := 0; j+8 <= len(data); j += 8 {
-			x ^= x << 13
-			x ^= x >> 7
-			x ^= x << 17
-			binary.LittleEndian.PutUint64(data[j:], x)
-		}
-		for j := len(data) &^ 7; j < len(data); j++ {
-			data[j] = byte(j + seed)
-		}
-		wt = append(wt, safetensors.WriteTensor{Name: s.name, DType: s.dtype, Shape: s.shape, Data: data})
+	for i, s := range gputest.DecoderSpecs(1024, 2816, 32000, 12) {
+		data := make([]byte, s.Bytes())
+		gputest.XorshiftFill(data, uint64(seed), i)
+		wt = append(wt, safetensors.WriteTensor{Name: s.Name, DType: s.DType, Shape: s.Shape, Data: data})
 	}
 	if err := safetensors.Write(path, wt, map[string]string{"rlflow_gen": sig}); err != nil {
 		t.Fatal(err)
@@ -229,27 +113,17 @@ type httpReceiver struct {
 	done chan struct{}
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 func startReceiver(ctx context.Context, t *testing.T, i int) *httpReceiver {
 	t.Helper()
 	py := os.Getenv("RLFLOW_PYTHON")
 	if py == "" {
 		py = "python3"
 	}
-	port := freePort(t)
-	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(gpuDevice()), "--deadline", "600", "--update-deadline", "30"}
+	port := gputest.FreePort(t)
+	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(gputest.Device()), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)
 	cmd.Env = append(os.Environ(), fmt.Sprintf("NCCL_HOSTID=rlflow-worker%d", i+1), "PYTHONUNBUFFERED=1")
-	logPath := filepath.Join(logDir(t), strings.NewReplacer("/", "_").Replace(t.Name())+fmt.Sprintf(".server%d.log", i+1))
+	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_").Replace(t.Name())+fmt.Sprintf(".server%d.log", i+1))
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
@@ -333,7 +207,7 @@ func checkReceived(ctx context.Context, t *testing.T, rs []*httpReceiver, want m
 	for i, r := range rs {
 		rep, err := r.received(ctx)
 		if err != nil {
-			verdict(t, false, "%s: server %d: %v", what, i+1, err)
+			gputest.Verdict(t, false, "%s: server %d: %v", what, i+1, err)
 			continue
 		}
 		bad := 0
@@ -343,7 +217,7 @@ func checkReceived(ctx context.Context, t *testing.T, rs []*httpReceiver, want m
 			}
 		}
 		ok := rep.Updates == updates && bad == 0 && len(rep.SHA256) == len(want)
-		verdict(t, ok, "%s: server %d: update %d, %d of %d tensors byte-exact (SHA-256), receiver stats %v",
+		gputest.Verdict(t, ok, "%s: server %d: update %d, %d of %d tensors byte-exact (SHA-256), receiver stats %v",
 			what, i+1, rep.Updates, len(want)-bad, len(want), rep.Stats)
 	}
 }
@@ -353,7 +227,7 @@ func checkReceived(ctx context.Context, t *testing.T, rs []*httpReceiver, want m
 // update_weights that fails early (the communicator must be aborted, not
 // hang), and a broadcast that re-initialises the group.
 func TestGPUTransferToHTTPReceivers(t *testing.T) {
-	lib := gpuLib(t)
+	lib := gputest.Lib(t)
 	ck1, ck2 := genCheckpoint(t, 1), genCheckpoint(t, 2)
 	want1, want2 := digests(t, ck1), digests(t, ck2)
 	var mon Monitor
@@ -393,10 +267,10 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			}
 			var beatMu sync.Mutex
 			var lastBeat Progress
-			cfg := Config{API: lib, Device: gpuDevice(), Advertise: "127.0.0.1",
+			cfg := Config{API: lib, Device: gputest.Device(), Advertise: "127.0.0.1",
 				Heartbeat: func(_ context.Context, p Progress) { beatMu.Lock(); lastBeat = p; beatMu.Unlock() }}
 			if mon != nil {
-				cfg.Monitor, cfg.MonitorIndex = mon, gpuDevice()
+				cfg.Monitor, cfg.MonitorIndex = mon, gputest.Device()
 			}
 			tr, err := New(cfg)
 			if err != nil {
@@ -407,10 +281,10 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			t0 := time.Now()
 			io, err := tr.Init(ctx, activities.InitTransferInput{Context: sc}, fleet)
 			if err != nil {
-				verdict(t, false, "init: %v", err)
+				gputest.Verdict(t, false, "init: %v", err)
 				return
 			}
-			verdict(t, io.WorldSize == tc.servers+1, "init: world size %d, group %s, %.1fs", io.WorldSize, io.Group, time.Since(t0).Seconds())
+			gputest.Verdict(t, io.WorldSize == tc.servers+1, "init: world size %d, group %s, %.1fs", io.WorldSize, io.Group, time.Since(t0).Seconds())
 
 			bcast := func(path string, iter int) (*activities.BroadcastOutput, error) {
 				in := activities.BroadcastInput{Context: sc, Checkpoint: path, Verify: true}
@@ -423,10 +297,10 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			}{{ck1, want1}, {ck2, want2}} {
 				out, err := bcast(c.path, iter+1)
 				if err != nil {
-					verdict(t, false, "broadcast %d: %v", iter+1, err)
+					gputest.Verdict(t, false, "broadcast %d: %v", iter+1, err)
 					return
 				}
-				verdict(t, !out.Initialized, "broadcast %d on the same group: %d bytes, %d tensors, %.2fs (%.2f GB/s), version %s, initialized %v",
+				gputest.Verdict(t, !out.Initialized, "broadcast %d on the same group: %d bytes, %d tensors, %.2fs (%.2f GB/s), version %s, initialized %v",
 					iter+1, out.Bytes, out.Tensors, out.Seconds, out.GBps, out.Version, out.Initialized)
 				checkReceived(ctx, t, rs, c.want, iter+1, fmt.Sprintf("broadcast %d", iter+1))
 			}
@@ -441,14 +315,14 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			took := time.Since(start)
 			ok := err != nil && took < 60*time.Second && strings.Contains(err.Error(), rs[len(rs)-1].url) &&
 				strings.Contains(err.Error(), "injected failure") && activities.IsType(err, activities.ErrTypeServerError)
-			verdict(t, ok, "update_weights 500 on server %d: broadcast failed after %.2fs: %v", len(rs), took.Seconds(), err)
+			gputest.Verdict(t, ok, "update_weights 500 on server %d: broadcast failed after %.2fs: %v", len(rs), took.Seconds(), err)
 
 			out, err := bcast(ck2, 4)
 			if err != nil {
-				verdict(t, false, "broadcast after the failure: %v", err)
+				gputest.Verdict(t, false, "broadcast after the failure: %v", err)
 				return
 			}
-			verdict(t, out.Initialized, "broadcast after the failure re-initialised the group: initialized %v, %.2fs", out.Initialized, out.Seconds)
+			gputest.Verdict(t, out.Initialized, "broadcast after the failure re-initialised the group: initialized %v, %.2fs", out.Initialized, out.Seconds)
 			checkReceived(ctx, t, rs, want2, 3, "broadcast after the failure")
 			beatMu.Lock()
 			if lastBeat.Health != nil {

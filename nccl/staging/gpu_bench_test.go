@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/safetensors"
 )
@@ -265,8 +266,8 @@ func median(xs []float64) float64 {
 // chunks are compared byte for byte on the device. The best packed-1GiB
 // candidate is the reported figure.
 func TestGPUBenchStage(t *testing.T) {
-	lib := gpuLib(t)
-	path := genCheckpoint(t, "big", bigSpec(envInt("RLFLOW_GPU_LAYERS", 40)), false)
+	lib := gputest.Lib(t)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
 	benchStage(t, lib, path)
 }
@@ -274,7 +275,7 @@ func TestGPUBenchStage(t *testing.T) {
 // benchStage is TestGPUBenchStage's sweep on any API (the GPU; the Fake for
 // a dry run of the sweep itself).
 func benchStage(t *testing.T, lib nccl.API, path string) {
-	dev, err := nccl.OpenDevice(lib, gpuDevice())
+	dev, err := nccl.OpenDevice(lib, gputest.Device())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,7 +289,7 @@ func benchStage(t *testing.T, lib nccl.API, path string) {
 
 	probeRegister(t, dev, path)
 
-	budget := time.Duration(envInt("RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
+	budget := time.Duration(gputest.EnvInt("RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
 	sweepStart := time.Now()
 	// One pinned buffer to copy device buffers back into, as large as the
 	// largest chunk of any layout of the sweep.
@@ -401,7 +402,7 @@ func benchStage(t *testing.T, lib nccl.API, path string) {
 			return 0, opts, err
 		}
 		verr := verifyDevice(dev, p, ck, chunks, scratch)
-		verdict(t, verr == nil, "%s: the last %d chunks are byte-exact on the device (%v)", c.name, min(len(chunks), p.opts.Buffers), verr)
+		gputest.Verdict(t, verr == nil, "%s: the last %d chunks are byte-exact on the device (%v)", c.name, min(len(chunks), p.opts.Buffers), verr)
 		if verr != nil {
 			return 0, opts, verr
 		}
@@ -414,7 +415,7 @@ func benchStage(t *testing.T, lib nccl.API, path string) {
 		}
 		m, opts, err := runConfig(c)
 		if err != nil {
-			verdict(t, false, "%s: %v", c.name, err)
+			gputest.Verdict(t, false, "%s: %v", c.name, err)
 			continue
 		}
 		figure(t, fmt.Sprintf("stage.%s.median_fresh_GBps", c.name), m)
@@ -457,8 +458,8 @@ func optionsLiteral(o Options) string {
 // (safetensors load to cuda, torch.cat chunks, dist.broadcast), both to one
 // receiver on the same GPU, both timed after the rendezvous.
 func TestGPUBenchE2E(t *testing.T) {
-	lib := gpuLib(t)
-	path := genCheckpoint(t, "big", bigSpec(envInt("RLFLOW_GPU_LAYERS", 40)), false)
+	lib := gputest.Lib(t)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
 	const threshold = 1 << 30 // vLLM's default packed_buffer_size_bytes
 	ck0, err := safetensors.OpenCheckpoint(path)
@@ -500,10 +501,10 @@ func TestGPUBenchE2E(t *testing.T) {
 	t.Logf("go: %.3fs end to end; %v", goSecs, res)
 
 	// PyTorch.
-	port := strconv.Itoa(freePort(t))
+	port := strconv.Itoa(gputest.FreePort(t))
 	script := scriptPath(t, "bench_torch.py")
 	common := []string{script, "--mode", "e2e", "--init", "tcp://127.0.0.1:" + port, "--world-size", "2",
-		"--device", strconv.Itoa(gpuDevice()), "--meta", meta}
+		"--device", strconv.Itoa(gputest.Device()), "--meta", meta}
 	tr := launch(t, "torch-trainer", "rlflow-trainer-torch", append(common, "--role", "trainer")...)
 	rc := launch(t, "torch-receiver", "rlflow-worker1", append(common, "--role", "receiver")...)
 	tres, err := tr.finish(ctx)
@@ -527,14 +528,14 @@ func TestGPUBenchE2E(t *testing.T) {
 // TestGPUBenchRaw (benchmark c): broadcast throughput of a device buffer
 // over the two-ranks-on-one-GPU path, Go against torch.distributed.
 func TestGPUBenchRaw(t *testing.T) {
-	lib := gpuLib(t)
+	lib := gputest.Lib(t)
 	const size, reps = 1 << 30, 5
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	script := scriptPath(t, "receiver.py")
 	comm, procs, err := rendezvousWith(ctx, t, lib, 2, func(rank, port int) []string {
 		return []string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--world-size", "2",
-			"--rank", "1", "--device", strconv.Itoa(gpuDevice()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps + 1)}
+			"--rank", "1", "--device", strconv.Itoa(gputest.Device()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps + 1)}
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -576,12 +577,12 @@ func TestGPUBenchRaw(t *testing.T) {
 	}
 	goGBps := float64(size) * reps / time.Since(start).Seconds() / 1e9
 	r, err := procs[0].finish(ctx)
-	verdict(t, err == nil && r["verdict"] == "PASS", "go raw broadcast received intact by receiver.py: %v %v", r["verdict"], err)
+	gputest.Verdict(t, err == nil && r["verdict"] == "PASS", "go raw broadcast received intact by receiver.py: %v %v", r["verdict"], err)
 
-	port := strconv.Itoa(freePort(t))
+	port := strconv.Itoa(gputest.FreePort(t))
 	bscript := scriptPath(t, "bench_torch.py")
 	common := []string{bscript, "--mode", "raw", "--init", "tcp://127.0.0.1:" + port, "--world-size", "2",
-		"--device", strconv.Itoa(gpuDevice()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}
+		"--device", strconv.Itoa(gputest.Device()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}
 	tr := launch(t, "torch-trainer", "rlflow-trainer-torch", append(common, "--role", "trainer")...)
 	rc := launch(t, "torch-receiver", "rlflow-worker1", append(common, "--role", "receiver", "--verify")...)
 	tres, err := tr.finish(ctx)

@@ -24,7 +24,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -36,73 +35,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/safetensors"
 )
-
-func envInt(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
-		return v
-	}
-	return def
-}
-
-func gpuDevice() int { return envInt("RLFLOW_GPU_DEVICE", 0) }
-
-var gpuOnce struct {
-	sync.Once
-	lib *nccl.Library
-	err error
-}
-
-// gpuLib loads the real libraries or skips the test, saying what is
-// missing.
-func gpuLib(t *testing.T) *nccl.Library {
-	t.Helper()
-	gpuOnce.Do(func() {
-		// NCCL reads NCCL_HOSTID when it first initialises: the trainer
-		// must look like another host than the receivers on the same GPU.
-		if os.Getenv("NCCL_HOSTID") == "" {
-			os.Setenv("NCCL_HOSTID", "rlflow-trainer")
-		}
-		lib, err := nccl.Load(nccl.Config{})
-		if err != nil {
-			gpuOnce.err = err
-			return
-		}
-		dev, err := nccl.OpenDevice(lib, gpuDevice())
-		if err != nil {
-			gpuOnce.err = err
-			return
-		}
-		defer dev.Close()
-		gpuOnce.err = dev.Do(context.Background(), func(api nccl.API) error {
-			n, err := api.GetDeviceCount()
-			if err == nil && n == 0 {
-				err = errors.New("no CUDA device")
-			}
-			return err
-		})
-		gpuOnce.lib = lib
-	})
-	if gpuOnce.err != nil {
-		t.Skipf("skipping GPU test: %v", gpuOnce.err)
-	}
-	v, _ := gpuOnce.lib.NCCLVersion()
-	t.Logf("NCCL %d from %s, CUDA runtime %s, NCCL_HOSTID=%s", v, gpuOnce.lib.NCCLPath(), gpuOnce.lib.CUDARTPath(), os.Getenv("NCCL_HOSTID"))
-	return gpuOnce.lib
-}
-
-func logDir(t *testing.T) string {
-	d := os.Getenv("RLFLOW_GPU_LOGS")
-	if d == "" {
-		d = "gpu-logs"
-	}
-	if err := os.MkdirAll(d, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	return d
-}
 
 func scriptPath(t *testing.T, name string) string {
 	t.Helper()
@@ -142,21 +78,7 @@ func figure(t *testing.T, key string, v any) {
 	figures.m[key] = v
 	t.Logf("FIGURE %s = %v", key, v)
 	b, _ := json.MarshalIndent(figures.m, "", "  ")
-	_ = os.WriteFile(filepath.Join(logDir(t), "figures.json"), b, 0o644)
-}
-
-// verdict prints one greppable line per check.
-func verdict(t *testing.T, ok bool, format string, args ...any) {
-	t.Helper()
-	word := "PASS"
-	if !ok {
-		word = "FAIL"
-	}
-	msg := fmt.Sprintf(format, args...)
-	fmt.Printf("GPU-%s %s: %s\n", word, t.Name(), msg)
-	if !ok {
-		t.Error(msg)
-	}
+	_ = os.WriteFile(filepath.Join(gputest.LogDir(t, "gpu-logs"), "figures.json"), b, 0o644)
 }
 
 // ---- checkpoints ----
@@ -348,7 +270,7 @@ func launch(t *testing.T, name, hostID string, args ...string) *proc {
 	}
 	cmd := exec.Command(py, args...)
 	cmd.Env = append(os.Environ(), "NCCL_HOSTID="+hostID, "PYTHONUNBUFFERED=1")
-	logPath := filepath.Join(logDir(t), strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())+"."+name+".log")
+	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())+"."+name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
@@ -446,16 +368,6 @@ func num(m map[string]any, k string) float64 {
 	return f
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // rendezvousWith starts the receivers from init (as the HTTP call would make
 // vLLM's workers join) and returns once every one of them is READY.
 func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, world int, receiverArgs func(rank, port int) []string) (*nccl.Comm, []*proc, error) {
@@ -471,7 +383,7 @@ func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, world int, 
 		}
 		return nil
 	}
-	comm, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: world, Device: gpuDevice()}, lib, init)
+	comm, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: world, Device: gputest.Device()}, lib, init)
 	return comm, procs, err
 }
 
@@ -479,7 +391,7 @@ func receiverArgs(t *testing.T, meta string, world int, extra ...string) func(ra
 	script := scriptPath(t, "receiver.py")
 	return func(rank, port int) []string {
 		return append([]string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port),
-			"--world-size", strconv.Itoa(world), "--rank", strconv.Itoa(rank), "--device", strconv.Itoa(gpuDevice()),
+			"--world-size", strconv.Itoa(world), "--rank", strconv.Itoa(rank), "--device", strconv.Itoa(gputest.Device()),
 			"--meta", meta}, extra...)
 	}
 }
@@ -489,8 +401,8 @@ func receiverArgs(t *testing.T, meta string, world int, extra ...string) func(ra
 // TestGPUBroadcastToReceivers: the real wire sequence to vLLM-like
 // receivers, world sizes 2 and 3, packed and not, checked byte for byte.
 func TestGPUBroadcastToReceivers(t *testing.T) {
-	lib := gpuLib(t)
-	path := genCheckpoint(t, "big", bigSpec(envInt("RLFLOW_GPU_LAYERS", 40)), false)
+	lib := gputest.Lib(t)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	f32path := genCheckpoint(t, "f32", f32Spec(), true)
 	cases := []struct {
 		name      string
@@ -523,7 +435,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 			t0 := time.Now()
 			comm, procs, err := rendezvousWith(ctx, t, lib, tc.world, receiverArgs(t, meta, tc.world))
 			if err != nil {
-				verdict(t, false, "rendezvous: %v", err)
+				gputest.Verdict(t, false, "rendezvous: %v", err)
 				return
 			}
 			defer comm.Close(context.Background())
@@ -535,7 +447,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 			defer pipe.Close(context.Background())
 			res, err := pipe.Broadcast(ctx, comm, ck, chunks)
 			if err != nil {
-				verdict(t, false, "broadcast: %v", err)
+				gputest.Verdict(t, false, "broadcast: %v", err)
 				return
 			}
 			t.Logf("rendezvous %v; %v", rdv, res)
@@ -544,11 +456,11 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 			for _, p := range procs {
 				r, err := p.finish(ctx)
 				if err != nil {
-					verdict(t, false, "%s: %v", p.name, err)
+					gputest.Verdict(t, false, "%s: %v", p.name, err)
 					continue
 				}
 				ok := r["verdict"] == "PASS" && int(num(r, "broadcasts")) == len(chunks) && int64(num(r, "bytes")) == res.Bytes
-				verdict(t, ok, "%s: %v, %d broadcasts, %d bytes, %d tensors verified byte for byte (%.0f converted), receiver %.2f GB/s; mismatches %v",
+				gputest.Verdict(t, ok, "%s: %v, %d broadcasts, %d bytes, %d tensors verified byte for byte (%.0f converted), receiver %.2f GB/s; mismatches %v",
 					p.name, r["verdict"], int(num(r, "broadcasts")), int64(num(r, "bytes")), int(num(r, "tensors")), num(r, "converted"), num(r, "gbps"), r["mismatches"])
 			}
 		})
@@ -558,8 +470,8 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 // TestGPUKilledReceiver: SIGKILL the receiver mid-transfer; the broadcast
 // must end within its deadline with a clear error, not hang.
 func TestGPUKilledReceiver(t *testing.T) {
-	lib := gpuLib(t)
-	path := genCheckpoint(t, "big", bigSpec(envInt("RLFLOW_GPU_LAYERS", 40)), false)
+	lib := gputest.Lib(t)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	ck, err := safetensors.OpenCheckpoint(path)
 	if err != nil {
 		t.Fatal(err)
@@ -608,7 +520,7 @@ func TestGPUKilledReceiver(t *testing.T) {
 	took := time.Since(start)
 	<-procs[0].done
 	if killedAt.IsZero() {
-		verdict(t, false, "receiver was never killed (broadcast returned %v after %v)", err, took)
+		gputest.Verdict(t, false, "receiver was never killed (broadcast returned %v after %v)", err, took)
 		return
 	}
 	after := time.Since(killedAt)
@@ -618,22 +530,22 @@ func TestGPUKilledReceiver(t *testing.T) {
 	if err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		how = "an NCCL error"
 	}
-	verdict(t, ok, "broadcast ended %.1fs after the kill through %s (deadline %v): %v", after.Seconds(), how, deadline, err)
+	gputest.Verdict(t, ok, "broadcast ended %.1fs after the kill through %s (deadline %v): %v", after.Seconds(), how, deadline, err)
 	if !errors.Is(comm.Err(), nccl.ErrAborted) {
-		verdict(t, false, "communicator not poisoned after the failure")
+		gputest.Verdict(t, false, "communicator not poisoned after the failure")
 	}
 }
 
 // TestGPUPeerNeverJoins: real non-blocking init with a missing peer ends at
 // the deadline and aborts cleanly.
 func TestGPUPeerNeverJoins(t *testing.T) {
-	lib := gpuLib(t)
+	lib := gputest.Lib(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	start := time.Now()
-	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2, Device: gpuDevice()}, lib,
+	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2, Device: gputest.Device()}, lib,
 		func(ctx context.Context, port int) error { <-ctx.Done(); return ctx.Err() })
 	took := time.Since(start)
-	verdict(t, errors.Is(err, context.DeadlineExceeded) && took < 20*time.Second,
+	gputest.Verdict(t, errors.Is(err, context.DeadlineExceeded) && took < 20*time.Second,
 		"rendezvous without a peer ended after %.1fs: %v", took.Seconds(), err)
 }
