@@ -543,9 +543,9 @@ type copyOut struct {
 
 // copyRange stages bytes [from, to) of chunk c through slot's pinned
 // buffer, each window copied to the device as soon as it is filled.
-func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, cp *hostCopier, c Chunk, slot int, from, to int64) copyOut {
-	var out copyOut
+func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, cp *hostCopier, c Chunk, slot int, from, to int64) (out copyOut) {
 	t := time.Now()
+	// A named result: the deferred assignment must reach the caller.
 	defer func() { out.hostCopy = time.Since(t) }()
 	parts, wins, err := cp.parts(c, p.host[slot], from, to)
 	if err != nil {

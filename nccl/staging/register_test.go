@@ -285,3 +285,15 @@ func TestCopyPartsTileWindows(t *testing.T) {
 		t.Fatal("resumed a conversion at an odd byte")
 	}
 }
+
+// TestCopyTimeIsReported guards the host-copy time that the GPU bench's
+// "host copy GB/s" and Overlap are computed from (it read 0 once).
+func TestCopyTimeIsReported(t *testing.T) {
+	ck := writeCheckpoint(t, t.TempDir(), pageTensors)
+	chunks := oracle(t, ck, true, 9000, false)
+	f := nccl.NewFake(nccl.FakeConfig{OpDelay: 50 * time.Microsecond})
+	res := stageAll(t, f, ck, ck, chunks, Options{Mode: ModeCopy, WindowBytes: 1000, CopyWorkers: 2})
+	if res.Copied == 0 || res.HostCopy <= 0 {
+		t.Fatalf("copied %d bytes in %v: the host copy time is lost", res.Copied, res.HostCopy)
+	}
+}
