@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -139,6 +140,11 @@ func stageConfigs() []stageConfig {
 		pk("copy-w64M-2buf-parts1M", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, SplitBytes: 1 << 20}),
 		pk("copy-w64M-2buf-8workers", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 64 << 20, CopyWorkers: 8}),
 		pk("copy-w128M-2buf", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20}),
+		// Combinations of the copy path's best single changes.
+		pk("copy-w128M-2buf-wc", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined}),
+		pk("copy-w128M-2buf-parts1M-wc", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20, SplitBytes: 1 << 20, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined}),
+		pk("copy-w256M-3buf-wc", Options{Mode: ModeCopy, Buffers: 3, WindowBytes: 256 << 20, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined}),
+		pk("copy-w128M-2buf-parts1M", Options{Mode: ModeCopy, Buffers: 2, WindowBytes: 128 << 20, SplitBytes: 1 << 20}),
 		// Other layouts with the default options, for reference.
 		{"default-packed-256MiB", true, 256 << 20, Options{}, false},
 		{"default-nonpacked", false, 0, Options{}, false},
@@ -408,7 +414,13 @@ func benchStage(t *testing.T, lib nccl.API, path string) {
 		}
 		return median(fresh), p.Options(), nil
 	}
+	// RLFLOW_STAGE_CONFIGS (a regexp) runs only the matching candidates, so
+	// one short device call can re-measure a few of them.
+	only := regexp.MustCompile(os.Getenv("RLFLOW_STAGE_CONFIGS"))
 	for _, c := range stageConfigs() {
+		if !only.MatchString(c.name) {
+			continue
+		}
 		if el := time.Since(sweepStart); el > budget {
 			fmt.Printf("GPU-FIGURE stage %-28s skipped: the sweep's %v budget is spent (RLFLOW_STAGE_BUDGET_S)\n", c.name, budget)
 			continue
