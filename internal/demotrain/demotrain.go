@@ -106,7 +106,7 @@ func (c *Corpus) Loss(m *bigram.Model) float64 {
 		if !anyPositive(cs) {
 			continue
 		}
-		logSoftmax(l[prev*v:(prev+1)*v], row[:])
+		bigram.LogSoftmax(l[prev*v:(prev+1)*v], 1, row[:])
 		for next, n := range cs {
 			if n > 0 {
 				sum -= n * row[next]
@@ -210,7 +210,7 @@ func Step(init *bigram.Model, c *Corpus, rollouts []Rollout, o Options) (*Result
 			if n == 0 {
 				continue
 			}
-			logSoftmax(l[prev*v:(prev+1)*v], row[:])
+			bigram.LogSoftmax(l[prev*v:(prev+1)*v], 1, row[:])
 			for next := range v {
 				grad[prev*v+next] -= n * math.Exp(row[next])
 			}
@@ -248,21 +248,6 @@ func transitions(prompt, text string) []int {
 		prev = t
 	}
 	return out
-}
-
-func logSoftmax(row []float32, out []float64) {
-	mx := math.Inf(-1)
-	for _, x := range row {
-		mx = math.Max(mx, float64(x))
-	}
-	sum := 0.0
-	for _, x := range row {
-		sum += math.Exp(float64(x) - mx)
-	}
-	ls := mx + math.Log(sum)
-	for i, x := range row {
-		out[i] = float64(x) - ls
-	}
 }
 
 func anyPositive(xs []float64) bool {

@@ -83,7 +83,7 @@ func logLik(m *bigram.Model, r Rollout) float64 {
 	var row [v]float64
 	sum := 0.0
 	for _, t := range transitions(r.Prompt, r.Text) {
-		logSoftmax(l[t/v*v:(t/v+1)*v], row[:])
+		bigram.LogSoftmax(l[t/v*v:(t/v+1)*v], 1, row[:])
 		sum += row[t%v]
 	}
 	return sum

@@ -221,12 +221,12 @@ func (m *Model) Sample(prompt string, o SampleOptions) Sample {
 	)
 	for n := 0; n < o.MaxTokens; n++ {
 		row := m.logits[int(prev)*Vocab : (int(prev)+1)*Vocab]
-		logSoftmax(row, 1, raw[:])
+		LogSoftmax(row, 1, raw[:])
 		var next byte
 		if greedy {
 			next = byte(argmax(row))
 		} else {
-			logSoftmax(row, o.Temperature, probs[:])
+			LogSoftmax(row, o.Temperature, probs[:])
 			if o.TopP > 0 && o.TopP < 1 {
 				nucleus(probs[:], o.TopP)
 			}
@@ -261,8 +261,9 @@ func cutStop(text string, stop []string) (string, bool) {
 	return text[:cut], found
 }
 
-// logSoftmax writes log(softmax(row / temp)) into out.
-func logSoftmax(row []float32, temp float64, out []float64) {
+// LogSoftmax writes log(softmax(row / temp)) into out (len(row) values),
+// stably: the row's maximum is subtracted before exponentiating.
+func LogSoftmax(row []float32, temp float64, out []float64) {
 	mx := math.Inf(-1)
 	for _, v := range row {
 		mx = math.Max(mx, float64(v)/temp)
