@@ -3,15 +3,19 @@ package gpu
 // The GPU test of Transfer: real NCCL and CUDA through nccl.Load, rank 0 in
 // this process, and every vLLM server played by tests/gpu/receiver.py
 // --http (a vLLM-like HTTP front doing a worker's real TCPStore
-// rendezvous, NCCL init, warm-up and broadcasts), all on one GPU with a
-// distinct NCCL_HOSTID per process. It skips, naming what is missing,
+// rendezvous, NCCL init, warm-up and broadcasts), placed by gputest.Place:
+// with one GPU (or RLFLOW_GPU_PLACEMENT=single) all on one GPU with a
+// distinct NCCL_HOSTID per process; with at least as many GPUs as ranks
+// server i (rank i) on GPU i, no NCCL_HOSTID, NCCL_NVLS_ENABLE=0. It
+// skips, naming what is missing,
 // where NCCL or the CUDA runtime cannot be loaded or no GPU is visible.
 // nccl/GPU.md has the command.
 //
 // Environment: RLFLOW_GPU_DIR (checkpoints, default $TMPDIR/rlflow-gpu),
 // RLFLOW_GPU_LOGS (process logs, default ./gpu-logs), RLFLOW_GPU_SCRIPTS
 // (directory of receiver.py), RLFLOW_PYTHON (default python3),
-// RLFLOW_GPU_DEVICE (default 0), RECEIVER_NCCL_LIB (receiver's NCCL).
+// RLFLOW_GPU_DEVICE (single placement's device, default 0),
+// RLFLOW_GPU_PLACEMENT (single|spread), RECEIVER_NCCL_LIB (receiver's NCCL).
 
 import (
 	"bufio"
@@ -113,22 +117,27 @@ type httpReceiver struct {
 	done chan struct{}
 }
 
-func startReceiver(ctx context.Context, t *testing.T, i int) *httpReceiver {
+// startReceiver starts server i (0-based). receiver.py --http serves one
+// rank, so the fleet's cumulative rank offsets make server i rank i+1: it
+// runs on pl.Device(i+1), with NCCL_HOSTID=rlflow-worker<i+1> in single
+// placement.
+func startReceiver(ctx context.Context, t *testing.T, pl gputest.Placement, i int) *httpReceiver {
 	t.Helper()
 	py := os.Getenv("RLFLOW_PYTHON")
 	if py == "" {
 		py = "python3"
 	}
 	port := gputest.FreePort(t)
-	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(gputest.Device()), "--deadline", "600", "--update-deadline", "30"}
+	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(pl.Device(i + 1)), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)
-	cmd.Env = append(os.Environ(), fmt.Sprintf("NCCL_HOSTID=rlflow-worker%d", i+1), "PYTHONUNBUFFERED=1")
+	env := pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", i+1))
+	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1")
 	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_").Replace(t.Name())+fmt.Sprintf(".server%d.log", i+1))
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
 	}
-	fmt.Fprintf(logf, "$ %s %s\n", py, strings.Join(args, " "))
+	fmt.Fprintf(logf, "$ %s%s %s\n", strings.Join(append(env, ""), " "), py, strings.Join(args, " "))
 	cmd.Stderr = logf
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -225,7 +234,8 @@ func checkReceived(ctx context.Context, t *testing.T, rs []*httpReceiver, want m
 // TestGPUTransferToHTTPReceivers: gpu.Transfer end to end on the GPU, as
 // the GPU worker runs it: init, two broadcasts reusing the group, an
 // update_weights that fails early (the communicator must be aborted, not
-// hang), and a broadcast that re-initialises the group.
+// hang), and a broadcast that re-initialises the group. W4 and W8 (3 and 7
+// one-rank servers, rank offsets 1..W-1) run only with spread placement.
 func TestGPUTransferToHTTPReceivers(t *testing.T) {
 	lib := gputest.Lib(t)
 	ck1, ck2 := genCheckpoint(t, 1), genCheckpoint(t, 2)
@@ -241,13 +251,24 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 		name    string
 		servers int
 		wt      pipelines.WeightTransfer
+		spread  bool // only with spread placement (one GPU per rank)
 	}{
-		{"W2-packed-64MiB", 1, pipelines.WeightTransfer{Packed: true, BufferBytes: 64 << 20}},
-		{"W3-nonpacked", 2, pipelines.WeightTransfer{}},
-		{"W3-packed-default-1GiB", 2, pipelines.WeightTransfer{Packed: true}},
+		{"W2-packed-64MiB", 1, pipelines.WeightTransfer{Packed: true, BufferBytes: 64 << 20}, false},
+		{"W3-nonpacked", 2, pipelines.WeightTransfer{}, false},
+		{"W3-packed-default-1GiB", 2, pipelines.WeightTransfer{Packed: true}, false},
+		// Multi-GPU hosts (issue 5). receiver.py --http is a one-rank
+		// server, so these are 3 and 7 servers, not 2 servers of several
+		// ranks each.
+		{"W4-3servers-packed-64MiB", 3, pipelines.WeightTransfer{Packed: true, BufferBytes: 64 << 20}, true},
+		{"W8-7servers-packed-default-1GiB", 7, pipelines.WeightTransfer{Packed: true}, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			pl := gputest.Place(t, tc.servers+1)
+			if tc.spread && !pl.Spread() {
+				t.Skipf("skipping: world size %d runs only with spread placement (one GPU per rank): %d GPUs visible, %s=%q",
+					tc.servers+1, pl.Devices, gputest.EnvPlacement, os.Getenv(gputest.EnvPlacement))
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 			defer cancel()
 			var rs []*httpReceiver
@@ -256,7 +277,7 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			wt.Backend = "nccl"
 			sc := pipelines.StepContext{RunID: "gpu-test", Iteration: 1, WeightTransfer: &wt}
 			for i := 0; i < tc.servers; i++ {
-				r := startReceiver(ctx, t, i)
+				r := startReceiver(ctx, t, pl, i)
 				rs = append(rs, r)
 				c, err := vllm.New(r.url, vllm.Options{Generation: vllm.GenD})
 				if err != nil {
@@ -267,10 +288,10 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			}
 			var beatMu sync.Mutex
 			var lastBeat Progress
-			cfg := Config{API: lib, Device: gputest.Device(), Advertise: "127.0.0.1",
+			cfg := Config{API: lib, Device: pl.Trainer, Advertise: "127.0.0.1",
 				Heartbeat: func(_ context.Context, p Progress) { beatMu.Lock(); lastBeat = p; beatMu.Unlock() }}
 			if mon != nil {
-				cfg.Monitor, cfg.MonitorIndex = mon, gputest.Device()
+				cfg.Monitor, cfg.MonitorIndex = mon, pl.Trainer
 			}
 			tr, err := New(cfg)
 			if err != nil {

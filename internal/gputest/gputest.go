@@ -5,9 +5,12 @@
 // the decoder-shaped checkpoints those tests generate. It is imported by
 // _test.go files only and is not part of rlflow's API.
 //
-// Environment: RLFLOW_GPU_DEVICE (CUDA device, default 0), RLFLOW_GPU_LOGS
-// (process logs; the default is the caller's), NCCL_HOSTID (set to
-// rlflow-trainer by Lib when unset).
+// Environment: RLFLOW_GPU_DEVICE (CUDA device of every rank in single
+// placement, default 0), RLFLOW_GPU_PLACEMENT (single|spread, see Place),
+// RLFLOW_GPU_LOGS (process logs; the default is the caller's), NCCL_HOSTID
+// (set to rlflow-trainer by Lib when unset and no test of the process can
+// be spread), NCCL_NVLS_ENABLE (set to 0 by Lib when unset and a test can
+// be spread).
 package gputest
 
 import (
@@ -39,22 +42,24 @@ func Device() int { return EnvInt("RLFLOW_GPU_DEVICE", 0) }
 
 var once struct {
 	sync.Once
-	lib *nccl.Library
-	err error
+	lib     *nccl.Library
+	devices int
+	err     error
 }
 
-// Lib loads the real libraries (once per test binary) and checks that
-// Device can be opened and that the CUDA runtime sees a device, or skips
-// the test with "skipping GPU test: <reason>". Before loading it sets
-// NCCL_HOSTID=rlflow-trainer in this process where unset: NCCL reads it
-// when it first initialises, and the trainer must look like another host
-// than the receivers on the same GPU.
+// Lib loads the real libraries (once per test binary), checks that Device
+// can be opened and that the CUDA runtime sees a device, or skips the test
+// with "skipping GPU test: <reason>", and then, before anything initialises
+// NCCL (which reads NCCL_HOSTID and NCCL_NVLS_ENABLE once), sets this
+// process's NCCL environment for the placement (ProcessEnv): with one
+// visible device or RLFLOW_GPU_PLACEMENT=single, NCCL_HOSTID=rlflow-trainer
+// where unset (the trainer must look like another host than the receivers
+// on the same GPU), exactly as before placements existed; otherwise
+// NCCL_NVLS_ENABLE=0 where unset and no NCCL_HOSTID, so that ranks on
+// different GPUs of this host use P2P/NVLink. Child processes inherit both.
 func Lib(t testing.TB) *nccl.Library {
 	t.Helper()
 	once.Do(func() {
-		if os.Getenv("NCCL_HOSTID") == "" {
-			os.Setenv("NCCL_HOSTID", "rlflow-trainer")
-		}
 		lib, err := nccl.Load(nccl.Config{})
 		if err != nil {
 			once.err = err
@@ -71,16 +76,145 @@ func Lib(t testing.TB) *nccl.Library {
 			if err == nil && n == 0 {
 				err = errors.New("no CUDA device")
 			}
+			once.devices = n
 			return err
 		})
+		if once.err != nil {
+			return
+		}
+		for k, v := range ProcessEnv(os.Getenv(EnvPlacement), once.devices) {
+			if os.Getenv(k) == "" {
+				os.Setenv(k, v)
+			}
+		}
 		once.lib = lib
 	})
 	if once.err != nil {
 		t.Skipf("skipping GPU test: %v", once.err)
 	}
 	v, _ := once.lib.NCCLVersion()
-	t.Logf("NCCL %d from %s, CUDA runtime %s, NCCL_HOSTID=%s", v, once.lib.NCCLPath(), once.lib.CUDARTPath(), os.Getenv("NCCL_HOSTID"))
+	t.Logf("NCCL %d from %s, CUDA runtime %s, %d CUDA devices, NCCL_HOSTID=%s, NCCL_NVLS_ENABLE=%s",
+		v, once.lib.NCCLPath(), once.lib.CUDARTPath(), once.devices, os.Getenv("NCCL_HOSTID"), os.Getenv("NCCL_NVLS_ENABLE"))
 	return once.lib
+}
+
+// EnvPlacement selects how the ranks of a GPU test are laid out on the
+// host's GPUs: "single" or "spread"; unset or "auto" chooses per test.
+const EnvPlacement = "RLFLOW_GPU_PLACEMENT"
+
+// Placement modes.
+const (
+	// Single: every rank on Device(), each process with its own
+	// NCCL_HOSTID (rlflow-trainer, rlflow-worker<r>, ...) so that NCCL
+	// treats them as separate hosts (socket transport).
+	Single = "single"
+	// Spread: rank r on device r, no NCCL_HOSTID, NCCL_NVLS_ENABLE=0:
+	// the ranks talk P2P/NVLink as on a real multi-GPU node.
+	Spread = "spread"
+)
+
+// Placement is where the ranks of one GPU test run.
+type Placement struct {
+	Mode    string // Single or Spread
+	World   int    // ranks, the trainer's included
+	Devices int    // CUDA devices visible to the test process
+	Trainer int    // CUDA device of rank 0 (the Go trainer)
+	single  int    // Single: the device of every rank
+}
+
+// Spread reports whether the ranks are on distinct devices.
+func (p Placement) Spread() bool { return p.Mode == Spread }
+
+// HostIDs reports whether every process needs its own NCCL_HOSTID (Single).
+func (p Placement) HostIDs() bool { return p.Mode == Single }
+
+// Device is the CUDA device of rank r: r in Spread, Device() in Single.
+func (p Placement) Device(rank int) int {
+	if p.Mode == Spread {
+		return rank
+	}
+	return p.single
+}
+
+// ProcEnv is what a child process playing a rank adds to its environment:
+// NCCL_HOSTID=hostID in Single, nothing in Spread (NCCL_NVLS_ENABLE=0 is
+// inherited from this process, see Lib).
+func (p Placement) ProcEnv(hostID string) []string {
+	if p.HostIDs() {
+		return []string{"NCCL_HOSTID=" + hostID}
+	}
+	return nil
+}
+
+func (p Placement) String() string {
+	if p.Spread() {
+		return fmt.Sprintf("placement spread: world %d over %d visible GPUs, rank r on GPU r (trainer GPU %d), no NCCL_HOSTID, NCCL_NVLS_ENABLE=%s",
+			p.World, p.Devices, p.Trainer, os.Getenv("NCCL_NVLS_ENABLE"))
+	}
+	return fmt.Sprintf("placement single: world %d, every rank on GPU %d (%d visible), one NCCL_HOSTID per process (trainer NCCL_HOSTID=%s)",
+		p.World, p.single, p.Devices, os.Getenv("NCCL_HOSTID"))
+}
+
+// Decide is the placement of world ranks for mode ($RLFLOW_GPU_PLACEMENT)
+// on devices visible GPUs, single being the device of Single: "" or "auto"
+// is Spread when devices >= world and Single otherwise; "spread" with
+// fewer devices than ranks is an error, as is an unknown mode.
+func Decide(mode string, devices, world, single int) (Placement, error) {
+	p := Placement{World: world, Devices: devices, single: single}
+	switch mode {
+	case "", "auto":
+		mode = Single
+		if devices >= world {
+			mode = Spread
+		}
+	case Single, Spread:
+	default:
+		return p, fmt.Errorf("%s=%q: want single, spread or auto", EnvPlacement, mode)
+	}
+	if mode == Spread && devices < world {
+		return p, fmt.Errorf("%s=spread: world size %d needs %d GPUs, %d visible", EnvPlacement, world, world, devices)
+	}
+	p.Mode, p.Trainer = mode, single
+	if mode == Spread {
+		p.Trainer = 0
+	}
+	return p, nil
+}
+
+// ProcessEnv is the NCCL environment of the test process (and so, by
+// inheritance, of every rank it starts) for mode on devices visible GPUs:
+// where no test can be spread (one device, or mode single)
+// NCCL_HOSTID=rlflow-trainer, as the single-GPU tests always had; otherwise
+// NCCL_NVLS_ENABLE=0 and no NCCL_HOSTID. NCCL reads both once per process,
+// so this is decided for the whole process, before the first test: a test
+// that is placed Single on a multi-GPU host (more ranks than GPUs) then
+// runs with a trainer that keeps its real host identity, still distinct
+// from each receiver's rlflow-worker<r>.
+func ProcessEnv(mode string, devices int) map[string]string {
+	if mode == Single || devices < 2 || (mode != "" && mode != "auto" && mode != Spread) {
+		return map[string]string{"NCCL_HOSTID": "rlflow-trainer"}
+	}
+	return map[string]string{"NCCL_NVLS_ENABLE": "0"}
+}
+
+// Place is the placement of a test with world ranks (Decide over
+// $RLFLOW_GPU_PLACEMENT and the visible devices), logged. It loads the
+// libraries (Lib) and skips where they are missing; it fails the test on
+// an unknown mode and skips it where RLFLOW_GPU_PLACEMENT=spread asks for
+// more GPUs than are visible.
+func Place(t testing.TB, world int) Placement {
+	t.Helper()
+	Lib(t)
+	mode := os.Getenv(EnvPlacement)
+	p, err := Decide(mode, once.devices, world, Device())
+	if err != nil {
+		if mode == Spread {
+			t.Skipf("skipping: %v", err)
+		}
+		t.Fatal(err)
+	}
+	t.Logf("%v", p)
+	return p
 }
 
 // Verdict prints one greppable line per check, "GPU-PASS <test>: msg" or

@@ -3,8 +3,10 @@ package gputest
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/rlflow/rlflow/nccl/safetensors"
@@ -108,6 +110,93 @@ func TestLogDir(t *testing.T) {
 	for _, d := range []string{def, tmp, env} {
 		if st, err := os.Stat(d); err != nil || !st.IsDir() {
 			t.Errorf("%s not created: %v", d, err)
+		}
+	}
+}
+
+func TestDecide(t *testing.T) {
+	for _, c := range []struct {
+		mode           string
+		devices, world int
+		single         int // RLFLOW_GPU_DEVICE
+		want           string
+		trainer        int
+		ranks          []int // devices of ranks 1..
+		err            bool
+	}{
+		// One GPU (the H200 of today's runs): always single, on Device().
+		{"", 1, 2, 0, Single, 0, []int{0}, false},
+		{"", 1, 3, 0, Single, 0, []int{0, 0}, false},
+		{"auto", 1, 2, 0, Single, 0, []int{0}, false},
+		{"single", 1, 2, 0, Single, 0, []int{0}, false},
+		{"", 1, 2, 5, Single, 5, []int{5}, false},
+		{"spread", 1, 2, 0, "", 0, nil, true},
+		// Two GPUs: spread for world 2, single (on Device()) for world 3.
+		{"", 2, 2, 0, Spread, 0, []int{1}, false},
+		{"", 2, 3, 1, Single, 1, []int{1, 1}, false},
+		{"spread", 2, 2, 1, Spread, 0, []int{1}, false},
+		{"spread", 2, 3, 0, "", 0, nil, true},
+		{"single", 2, 2, 1, Single, 1, []int{1}, false},
+		// Four and eight GPUs.
+		{"", 4, 4, 0, Spread, 0, []int{1, 2, 3}, false},
+		{"", 4, 5, 0, Single, 0, []int{0, 0, 0, 0}, false},
+		{"", 8, 3, 0, Spread, 0, []int{1, 2}, false},
+		{"", 8, 8, 3, Spread, 0, []int{1, 2, 3, 4, 5, 6, 7}, false},
+		{"single", 8, 8, 3, Single, 3, []int{3, 3, 3, 3, 3, 3, 3}, false},
+		{"spread", 8, 9, 0, "", 0, nil, true},
+		// Unknown mode.
+		{"both", 8, 2, 0, "", 0, nil, true},
+	} {
+		name := fmt.Sprintf("mode=%q devices=%d world=%d device=%d", c.mode, c.devices, c.world, c.single)
+		p, err := Decide(c.mode, c.devices, c.world, c.single)
+		if c.err {
+			if err == nil {
+				t.Errorf("%s: no error, placement %v", name, p)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		if p.Mode != c.want || p.Trainer != c.trainer || p.Device(0) != c.trainer || p.World != c.world || p.Devices != c.devices {
+			t.Errorf("%s: %+v (device of rank 0 %d), want mode %s, trainer %d", name, p, p.Device(0), c.want, c.trainer)
+		}
+		var ranks []int
+		for r := 1; r < c.world; r++ {
+			ranks = append(ranks, p.Device(r))
+		}
+		if fmt.Sprint(ranks) != fmt.Sprint(c.ranks) {
+			t.Errorf("%s: receiver devices %v, want %v", name, ranks, c.ranks)
+		}
+		env := p.ProcEnv("rlflow-worker1")
+		if p.Spread() == p.HostIDs() || (p.HostIDs() && fmt.Sprint(env) != "[NCCL_HOSTID=rlflow-worker1]") || (p.Spread() && env != nil) {
+			t.Errorf("%s: spread %v, host ids %v, ProcEnv %v", name, p.Spread(), p.HostIDs(), env)
+		}
+		if !strings.Contains(p.String(), "placement "+c.want) {
+			t.Errorf("%s: String() = %q", name, p.String())
+		}
+	}
+}
+
+func TestProcessEnv(t *testing.T) {
+	trainer := map[string]string{"NCCL_HOSTID": "rlflow-trainer"}
+	nvls := map[string]string{"NCCL_NVLS_ENABLE": "0"}
+	for _, c := range []struct {
+		mode    string
+		devices int
+		want    map[string]string
+	}{
+		// One GPU: exactly the single-GPU tests' environment, whatever the mode.
+		{"", 1, trainer}, {"auto", 1, trainer}, {"single", 1, trainer}, {"spread", 1, trainer},
+		{"", 0, trainer},
+		// Several GPUs: spread possible unless single is asked for.
+		{"", 2, nvls}, {"auto", 4, nvls}, {"spread", 8, nvls},
+		{"single", 2, trainer}, {"single", 8, trainer},
+		{"bogus", 8, trainer},
+	} {
+		if got := ProcessEnv(c.mode, c.devices); fmt.Sprint(got) != fmt.Sprint(c.want) {
+			t.Errorf("ProcessEnv(%q, %d) = %v, want %v", c.mode, c.devices, got, c.want)
 		}
 	}
 }

@@ -465,12 +465,40 @@ func optionsLiteral(o Options) string {
 		map[UnregisterPolicy]string{UnregisterAtEnd: "UnregisterAtEnd", UnregisterEarly: "UnregisterEarly"}[o.Unregister], o.CopyFraction)
 }
 
+// benchWorld is the world size of the Go-against-torch benchmarks:
+// $RLFLOW_GPU_BENCH_WORLD, default 2 (one receiver).
+func benchWorld() int { return max(gputest.EnvInt("RLFLOW_GPU_BENCH_WORLD", 2), 2) }
+
+// torchRanks starts bench_torch.py's ranks 0..pl.World-1 with args (after
+// the script) plus each rank's --role, --rank and --device, placed as pl
+// (rank 0 gets NCCL_HOSTID=rlflow-trainer-torch in single placement, rank
+// r rlflow-worker<r>); receivers get receiverExtra too.
+func torchRanks(t *testing.T, pl gputest.Placement, args []string, receiverExtra ...string) (trainer *proc, receivers []*proc) {
+	script := scriptPath(t, "bench_torch.py")
+	for r := 0; r < pl.World; r++ {
+		a := append([]string{script}, args...)
+		a = append(a, "--world-size", strconv.Itoa(pl.World), "--rank", strconv.Itoa(r), "--device", strconv.Itoa(pl.Device(r)))
+		if r == 0 {
+			trainer = launchEnv(t, "torch-trainer", pl.ProcEnv("rlflow-trainer-torch"), append(a, "--role", "trainer")...)
+			continue
+		}
+		name := "torch-receiver"
+		if pl.World > 2 {
+			name = fmt.Sprintf("torch-receiver%d", r)
+		}
+		receivers = append(receivers, launchEnv(t, name, pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", r)), append(append(a, "--role", "receiver"), receiverExtra...)...))
+	}
+	return trainer, receivers
+}
+
 // TestGPUBenchE2E (benchmark b): end-to-end broadcast of the checkpoint,
 // rank 0 in Go (open, stage, broadcast) against bench_torch.py's trainer
-// (safetensors load to cuda, torch.cat chunks, dist.broadcast), both to one
-// receiver on the same GPU, both timed after the rendezvous.
+// (safetensors load to cuda, torch.cat chunks, dist.broadcast), both to
+// the same receivers (RLFLOW_GPU_BENCH_WORLD-1, default one), placed alike
+// (gputest.Place), both timed after the rendezvous.
 func TestGPUBenchE2E(t *testing.T) {
 	lib := gputest.Lib(t)
+	pl := gputest.Place(t, benchWorld())
 	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
 	const threshold = 1 << 30 // vLLM's default packed_buffer_size_bytes
@@ -484,7 +512,7 @@ func TestGPUBenchE2E(t *testing.T) {
 	defer cancel()
 
 	// Go.
-	comm, procs, err := rendezvousWith(ctx, t, lib, 2, receiverArgs(t, meta, 2, "--no-verify"))
+	comm, procs, err := rendezvousWith(ctx, t, lib, pl, receiverArgs(t, pl, meta, "--no-verify"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -505,26 +533,26 @@ func TestGPUBenchE2E(t *testing.T) {
 	}
 	_ = pipe.Close(ctx)
 	ck.Close()
-	r, err := procs[0].finish(ctx)
-	if err != nil || r["verdict"] != "PASS" {
-		t.Fatalf("receiver: %v %v", r, err)
+	for _, p := range procs {
+		r, err := p.finish(ctx)
+		if err != nil || r["verdict"] != "PASS" {
+			t.Fatalf("%s: %v %v", p.name, r, err)
+		}
 	}
 	comm.Close(ctx)
 	t.Logf("go: %.3fs end to end; %v", goSecs, res)
 
 	// PyTorch.
 	port := strconv.Itoa(gputest.FreePort(t))
-	script := scriptPath(t, "bench_torch.py")
-	common := []string{script, "--mode", "e2e", "--init", "tcp://127.0.0.1:" + port, "--world-size", "2",
-		"--device", strconv.Itoa(gputest.Device()), "--meta", meta}
-	tr := launch(t, "torch-trainer", "rlflow-trainer-torch", append(common, "--role", "trainer")...)
-	rc := launch(t, "torch-receiver", "rlflow-worker1", append(common, "--role", "receiver")...)
+	tr, rcs := torchRanks(t, pl, []string{"--mode", "e2e", "--init", "tcp://127.0.0.1:" + port, "--meta", meta})
 	tres, err := tr.finish(ctx)
 	if err != nil || tres["verdict"] != "PASS" {
 		t.Fatalf("torch trainer: %v %v", tres, err)
 	}
-	if rres, err := rc.finish(ctx); err != nil || rres["verdict"] != "PASS" {
-		t.Fatalf("torch receiver: %v %v", rres, err)
+	for _, rc := range rcs {
+		if rres, err := rc.finish(ctx); err != nil || rres["verdict"] != "PASS" {
+			t.Fatalf("%s: %v %v", rc.name, rres, err)
+		}
 	}
 	torchSecs := num(tres, "seconds")
 	figure(t, "e2e.go_s", goSecs)
@@ -533,21 +561,36 @@ func TestGPUBenchE2E(t *testing.T) {
 	figure(t, "e2e.torch_broadcast_s", num(tres, "broadcast_seconds"))
 	figure(t, "e2e.go_transfer_s", res.Wall.Seconds())
 	figure(t, "e2e.speedup_go_over_torch", torchSecs/goSecs)
+	// The transfer alone, as bandwidth (for a broadcast the bus bandwidth
+	// equals the algorithm bandwidth, nccl-tests' convention): Go's
+	// stage + broadcast against torch's torch.cat + dist.broadcast of the
+	// same bytes from a checkpoint already on the GPU.
+	goBW, torchBW := float64(res.Bytes)/res.Wall.Seconds()/1e9, float64(res.Bytes)/num(tres, "broadcast_seconds")/1e9
+	figure(t, "e2e.placement", pl.Mode)
+	figure(t, "e2e.world", pl.World)
+	figure(t, "e2e.go_transfer_GBps", goBW)
+	figure(t, "e2e.torch_broadcast_GBps", torchBW)
+	figure(t, "e2e.ratio_go_transfer_over_torch_broadcast", goBW/torchBW)
+	fmt.Printf("GPU-FIGURE e2e bus bandwidth, world %d, %s placement: go stage+broadcast %.2f GB/s, torch cat+broadcast (checkpoint already on the GPU) %.2f GB/s: ratio %.2f\n",
+		pl.World, pl.Mode, goBW, torchBW, goBW/torchBW)
 	fmt.Printf("GPU-FIGURE e2e %d bytes packed T=1GiB: go %.3fs (%.2f GB/s; %.3fs without opening the checkpoint and allocating the pinned buffers, which a reused Pipeline skips), torch %.3fs (load %.3fs + broadcast %.3fs): go is %.2fx torch\n",
 		res.Bytes, goSecs, float64(res.Bytes)/goSecs/1e9, res.Wall.Seconds(), torchSecs, num(tres, "load_seconds"), num(tres, "broadcast_seconds"), torchSecs/goSecs)
 }
 
-// TestGPUBenchRaw (benchmark c): broadcast throughput of a device buffer
-// over the two-ranks-on-one-GPU path, Go against torch.distributed.
+// TestGPUBenchRaw (benchmark c): broadcast throughput of a device buffer,
+// Go against torch.distributed, over the same placement (gputest.Place:
+// two ranks on one GPU through sockets, or rank r on GPU r through
+// P2P/NVLink) and world size (RLFLOW_GPU_BENCH_WORLD, default 2).
 func TestGPUBenchRaw(t *testing.T) {
 	lib := gputest.Lib(t)
+	pl := gputest.Place(t, benchWorld())
 	const size, reps = 1 << 30, 5
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	script := scriptPath(t, "receiver.py")
-	comm, procs, err := rendezvousWith(ctx, t, lib, 2, func(rank, port int) []string {
-		return []string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--world-size", "2",
-			"--rank", "1", "--device", strconv.Itoa(gputest.Device()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps + 1)}
+	comm, procs, err := rendezvousWith(ctx, t, lib, pl, func(rank, port int) []string {
+		return []string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--world-size", strconv.Itoa(pl.World),
+			"--rank", strconv.Itoa(rank), "--device", strconv.Itoa(pl.Device(rank)), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps + 1)}
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -588,26 +631,31 @@ func TestGPUBenchRaw(t *testing.T) {
 		t.Fatal(err)
 	}
 	goGBps := float64(size) * reps / time.Since(start).Seconds() / 1e9
-	r, err := procs[0].finish(ctx)
-	gputest.Verdict(t, err == nil && r["verdict"] == "PASS", "go raw broadcast received intact by receiver.py: %v %v", r["verdict"], err)
+	for _, p := range procs {
+		r, err := p.finish(ctx)
+		gputest.Verdict(t, err == nil && r["verdict"] == "PASS", "go raw broadcast received intact by receiver.py %s: %v %v", p.name, r["verdict"], err)
+	}
 
 	port := strconv.Itoa(gputest.FreePort(t))
-	bscript := scriptPath(t, "bench_torch.py")
-	common := []string{bscript, "--mode", "raw", "--init", "tcp://127.0.0.1:" + port, "--world-size", "2",
-		"--device", strconv.Itoa(gputest.Device()), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}
-	tr := launch(t, "torch-trainer", "rlflow-trainer-torch", append(common, "--role", "trainer")...)
-	rc := launch(t, "torch-receiver", "rlflow-worker1", append(common, "--role", "receiver", "--verify")...)
+	tr, rcs := torchRanks(t, pl, []string{"--mode", "raw", "--init", "tcp://127.0.0.1:" + port,
+		"--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}, "--verify")
 	tres, err := tr.finish(ctx)
 	if err != nil || tres["verdict"] != "PASS" {
 		t.Fatalf("torch trainer: %v %v", tres, err)
 	}
-	if rres, err := rc.finish(ctx); err != nil || rres["verdict"] != "PASS" {
-		t.Fatalf("torch receiver: %v %v", rres, err)
+	for _, rc := range rcs {
+		if rres, err := rc.finish(ctx); err != nil || rres["verdict"] != "PASS" {
+			t.Fatalf("%s: %v %v", rc.name, rres, err)
+		}
 	}
 	torchGBps := num(tres, "gbps")
+	figure(t, "raw.placement", pl.Mode)
+	figure(t, "raw.world", pl.World)
 	figure(t, "raw.go_GBps", goGBps)
 	figure(t, "raw.torch_GBps", torchGBps)
 	figure(t, "raw.ratio_go_over_torch", goGBps/torchGBps)
-	fmt.Printf("GPU-FIGURE raw broadcast %d x %d bytes: go %.2f GB/s, torch.distributed %.2f GB/s: ratio %.2f\n",
-		reps, size, goGBps, torchGBps, goGBps/torchGBps)
+	// For a broadcast the bus bandwidth is the algorithm bandwidth
+	// (nccl-tests' convention): bytes / time.
+	fmt.Printf("GPU-FIGURE raw broadcast %d x %d bytes, world %d, %s placement: go %.2f GB/s, torch.distributed %.2f GB/s (bus bandwidth = algorithm bandwidth for a broadcast): ratio %.2f\n",
+		reps, size, pl.World, pl.Mode, goGBps, torchGBps, goGBps/torchGBps)
 }

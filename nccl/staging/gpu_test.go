@@ -2,10 +2,12 @@ package staging
 
 // GPU tests and benchmarks: real NCCL and CUDA through nccl.Load, rank 0 in
 // this process and tests/gpu/receiver.py (a vLLM-like worker) or
-// tests/gpu/bench_torch.py as the other ranks, all on one GPU with a
-// distinct NCCL_HOSTID per process. They skip, naming the missing library,
-// where NCCL or the CUDA runtime cannot be loaded or no GPU is visible.
-// nccl/GPU.md has the commands.
+// tests/gpu/bench_torch.py as the other ranks, placed by gputest.Place:
+// with one GPU (or RLFLOW_GPU_PLACEMENT=single) all on one GPU with a
+// distinct NCCL_HOSTID per process; with at least as many GPUs as ranks
+// rank r on GPU r, no NCCL_HOSTID, NCCL_NVLS_ENABLE=0 (P2P/NVLink). They
+// skip, naming the missing library, where NCCL or the CUDA runtime cannot
+// be loaded or no GPU is visible. nccl/GPU.md has the commands.
 //
 // Environment:
 //
@@ -14,7 +16,9 @@ package staging
 //	RLFLOW_GPU_LOGS    where process logs and figures.json go (default ./gpu-logs)
 //	RLFLOW_GPU_SCRIPTS directory of receiver.py and bench_torch.py (default: found from the cwd)
 //	RLFLOW_PYTHON      the Python with torch (default python3)
-//	RLFLOW_GPU_DEVICE  CUDA device for every rank (default 0)
+//	RLFLOW_GPU_DEVICE  CUDA device for every rank in single placement (default 0)
+//	RLFLOW_GPU_PLACEMENT single|spread (default: spread where the GPUs are at least the ranks)
+//	RLFLOW_GPU_BENCH_WORLD ranks of TestGPUBenchE2E and TestGPUBenchRaw (default 2)
 
 import (
 	"bufio"
@@ -264,12 +268,20 @@ type proc struct {
 // launch runs a Python script with its own NCCL_HOSTID, logging its output.
 func launch(t *testing.T, name, hostID string, args ...string) *proc {
 	t.Helper()
+	return launchEnv(t, name, []string{"NCCL_HOSTID=" + hostID}, args...)
+}
+
+// launchEnv runs a Python script with env added to this process's
+// environment (a Placement's ProcEnv: its own NCCL_HOSTID in single
+// placement, nothing in spread), logging its output.
+func launchEnv(t *testing.T, name string, env []string, args ...string) *proc {
+	t.Helper()
 	py := os.Getenv("RLFLOW_PYTHON")
 	if py == "" {
 		py = "python3"
 	}
 	cmd := exec.Command(py, args...)
-	cmd.Env = append(os.Environ(), "NCCL_HOSTID="+hostID, "PYTHONUNBUFFERED=1")
+	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1")
 	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())+"."+name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -280,7 +292,7 @@ func launch(t *testing.T, name, hostID string, args ...string) *proc {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fmt.Fprintf(logf, "$ %s %s\n", py, strings.Join(args, " "))
+	fmt.Fprintf(logf, "$ %s%s %s\n", strings.Join(append(env, ""), " "), py, strings.Join(args, " "))
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -368,13 +380,14 @@ func num(m map[string]any, k string) float64 {
 	return f
 }
 
-// rendezvousWith starts the receivers from init (as the HTTP call would make
-// vLLM's workers join) and returns once every one of them is READY.
-func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, world int, receiverArgs func(rank, port int) []string) (*nccl.Comm, []*proc, error) {
+// rendezvousWith starts the receivers (ranks 1..pl.World-1) from init (as
+// the HTTP call would make vLLM's workers join) and returns once every one
+// of them is READY; rank 0 is on pl.Trainer.
+func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, pl gputest.Placement, receiverArgs func(rank, port int) []string) (*nccl.Comm, []*proc, error) {
 	var procs []*proc
 	init := func(ctx context.Context, port int) error {
-		for r := 1; r < world; r++ {
-			procs = append(procs, launch(t, fmt.Sprintf("rank%d", r), fmt.Sprintf("rlflow-worker%d", r), receiverArgs(r, port)...))
+		for r := 1; r < pl.World; r++ {
+			procs = append(procs, launchEnv(t, fmt.Sprintf("rank%d", r), pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", r)), receiverArgs(r, port)...))
 		}
 		for _, p := range procs {
 			if _, err := p.waitFor(ctx, "READY"); err != nil {
@@ -383,15 +396,17 @@ func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, world int, 
 		}
 		return nil
 	}
-	comm, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: world, Device: gputest.Device()}, lib, init)
+	comm, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: pl.World, Device: pl.Trainer}, lib, init)
 	return comm, procs, err
 }
 
-func receiverArgs(t *testing.T, meta string, world int, extra ...string) func(rank, port int) []string {
+// receiverArgs is receiver.py's command line for rank: world pl.World, on
+// the rank's device.
+func receiverArgs(t *testing.T, pl gputest.Placement, meta string, extra ...string) func(rank, port int) []string {
 	script := scriptPath(t, "receiver.py")
 	return func(rank, port int) []string {
 		return append([]string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port),
-			"--world-size", strconv.Itoa(world), "--rank", strconv.Itoa(rank), "--device", strconv.Itoa(gputest.Device()),
+			"--world-size", strconv.Itoa(pl.World), "--rank", strconv.Itoa(rank), "--device", strconv.Itoa(pl.Device(rank)),
 			"--meta", meta}, extra...)
 	}
 }
@@ -399,7 +414,8 @@ func receiverArgs(t *testing.T, meta string, world int, extra ...string) func(ra
 // ---- tests ----
 
 // TestGPUBroadcastToReceivers: the real wire sequence to vLLM-like
-// receivers, world sizes 2 and 3, packed and not, checked byte for byte.
+// receivers, world sizes 2 and 3 (and 4 and 8 where spread placement has
+// that many GPUs), packed and not, checked byte for byte.
 func TestGPUBroadcastToReceivers(t *testing.T) {
 	lib := gputest.Lib(t)
 	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
@@ -411,17 +427,28 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 		packed    bool
 		threshold int64
 		toBF16    bool
+		spread    bool // only with spread placement (one GPU per rank)
 	}{
-		{"W2-packed-256MiB", path, 2, true, 256 << 20, false},
-		{"W2-nonpacked", path, 2, false, 0, false},
-		{"W3-packed-1GiB", path, 3, true, 1 << 30, false},
-		{"W3-nonpacked", path, 3, false, 0, false},
-		{"W2-packed-f32-to-bf16", f32path, 2, true, 1 << 20, true},
+		{"W2-packed-256MiB", path, 2, true, 256 << 20, false, false},
+		{"W2-nonpacked", path, 2, false, 0, false, false},
+		{"W3-packed-1GiB", path, 3, true, 1 << 30, false, false},
+		{"W3-nonpacked", path, 3, false, 0, false, false},
+		{"W2-packed-f32-to-bf16", f32path, 2, true, 1 << 20, true, false},
 		// Also broadcasts a zero-size tensor (count 0), as vLLM does.
-		{"W2-nonpacked-f32-to-bf16-with-empty", f32path, 2, false, 0, true},
+		{"W2-nonpacked-f32-to-bf16-with-empty", f32path, 2, false, 0, true, false},
+		// Multi-GPU hosts (issue 5): one GPU per rank, P2P/NVLink.
+		{"W4-packed-1GiB", path, 4, true, 1 << 30, false, true},
+		{"W4-nonpacked", path, 4, false, 0, false, true},
+		{"W8-packed-1GiB", path, 8, true, 1 << 30, false, true},
+		{"W8-nonpacked", path, 8, false, 0, false, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			pl := gputest.Place(t, tc.world)
+			if tc.spread && !pl.Spread() {
+				t.Skipf("skipping: world size %d runs only with spread placement (one GPU per rank): %d GPUs visible, %s=%q",
+					tc.world, pl.Devices, gputest.EnvPlacement, os.Getenv(gputest.EnvPlacement))
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()
 			ck, err := safetensors.OpenCheckpoint(tc.path)
@@ -433,7 +460,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 			chunks := u.Chunks
 			meta := writeMeta(t, tc.path, u)
 			t0 := time.Now()
-			comm, procs, err := rendezvousWith(ctx, t, lib, tc.world, receiverArgs(t, meta, tc.world))
+			comm, procs, err := rendezvousWith(ctx, t, lib, pl, receiverArgs(t, pl, meta))
 			if err != nil {
 				gputest.Verdict(t, false, "rendezvous: %v", err)
 				return
@@ -451,6 +478,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 				return
 			}
 			t.Logf("rendezvous %v; %v", rdv, res)
+			figure(t, tc.name+".placement", pl.Mode)
 			figure(t, tc.name+".go_wall_s", res.Wall.Seconds())
 			figure(t, tc.name+".go_GBps", res.Throughput()/1e9)
 			for _, p := range procs {
@@ -471,6 +499,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 // must end within its deadline with a clear error, not hang.
 func TestGPUKilledReceiver(t *testing.T) {
 	lib := gputest.Lib(t)
+	pl := gputest.Place(t, 2)
 	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
 	ck, err := safetensors.OpenCheckpoint(path)
 	if err != nil {
@@ -483,7 +512,7 @@ func TestGPUKilledReceiver(t *testing.T) {
 	meta := writeMeta(t, path, u)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	comm, procs, err := rendezvousWith(ctx, t, lib, 2, receiverArgs(t, meta, 2, "--progress", "--no-verify"))
+	comm, procs, err := rendezvousWith(ctx, t, lib, pl, receiverArgs(t, pl, meta, "--progress", "--no-verify"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -548,4 +577,54 @@ func TestGPUPeerNeverJoins(t *testing.T) {
 	took := time.Since(start)
 	gputest.Verdict(t, errors.Is(err, context.DeadlineExceeded) && took < 20*time.Second,
 		"rendezvous without a peer ended after %.1fs: %v", took.Seconds(), err)
+}
+
+// TestPlacedReceivers (CPU): the receivers' command lines and environment
+// follow the placement: single keeps every rank on RLFLOW_GPU_DEVICE with
+// its own NCCL_HOSTID, spread puts rank r on GPU r with none.
+func TestPlacedReceivers(t *testing.T) {
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("python3 not found")
+	}
+	t.Setenv("RLFLOW_GPU_LOGS", t.TempDir())
+	t.Setenv("NCCL_HOSTID", "")
+	os.Unsetenv("NCCL_HOSTID")
+	script := filepath.Join(t.TempDir(), "env.py")
+	os.WriteFile(script, []byte(`import os, json
+print("RESULT " + json.dumps({"verdict": "PASS", "hostid": os.environ.get("NCCL_HOSTID", "")}), flush=True)
+`), 0o644)
+	for _, c := range []struct {
+		devices, world int
+		devs           string
+		host           string
+	}{
+		{1, 3, "[2 2]", "rlflow-worker2"}, // single: RLFLOW_GPU_DEVICE=2 for everyone
+		{4, 3, "[1 2]", ""},               // spread
+	} {
+		pl, err := gputest.Decide("", c.devices, c.world, 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var devs []string
+		for r := 1; r < pl.World; r++ {
+			a := receiverArgs(t, pl, "meta.json")(r, 1234)
+			for i := range a {
+				if a[i] == "--device" {
+					devs = append(devs, a[i+1])
+				}
+				if a[i] == "--world-size" && a[i+1] != strconv.Itoa(c.world) {
+					t.Errorf("%v: --world-size %s", pl, a[i+1])
+				}
+			}
+		}
+		if got := "[" + strings.Join(devs, " ") + "]"; got != c.devs {
+			t.Errorf("%v: receiver devices %s, want %s", pl, got, c.devs)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		r, err := launchEnv(t, fmt.Sprintf("env-%s", pl.Mode), pl.ProcEnv("rlflow-worker2"), script).finish(ctx)
+		cancel()
+		if err != nil || r["hostid"] != c.host {
+			t.Errorf("%v: receiver NCCL_HOSTID %q (%v), want %q", pl, r["hostid"], err, c.host)
+		}
+	}
 }
