@@ -55,14 +55,18 @@ steps:
       env: {M: "${{ params.marker }}", D: "${{ steps.long.outputs.doubled }}"}
 `
 
+// startWorker starts a control worker process in its own process group, so
+// that a test can SIGKILL the worker with everything it started
+// (syscall.Kill(-pid, ...)) without signalling the test process.
 func startWorker(t *testing.T, bin, addr, queue, logDir string, extra ...string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(bin, append([]string{"worker", "--address", addr, "--task-queue", queue, "--log-dir", logDir}, extra...)...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		_, _ = cmd.Process.Wait()
 		if t.Failed() {
 			t.Logf("worker %d output:\n%s", cmd.Process.Pid, out.String())

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -42,26 +41,6 @@ steps:
     uses: generate
     with: {prompts: prompts.jsonl, n: %d, max_tokens: 4, concurrency: 16}
 `
-
-// startWorkerGroup starts `rlflow worker` in its own process group, so the
-// test can SIGKILL the whole group as an OOM killer or a lost host would.
-// Cleanup kills the group if the test did not.
-func startWorkerGroup(t *testing.T, bin, addr, queue, logDir, dataDir string) *exec.Cmd {
-	t.Helper()
-	cmd := exec.Command(bin, "worker", "--address", addr, "--task-queue", queue, "--log-dir", logDir, "--data-dir", dataDir)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		_, _ = cmd.Process.Wait()
-		if t.Failed() {
-			t.Logf("worker %d output:\n%s", cmd.Process.Pid, out.String())
-		}
-	})
-	return cmd
-}
 
 // Issue 3's acceptance, end to end: a generate attempt whose worker process
 // is SIGKILLed at about 40% of its prompts is retried (attempt 2) on a new
@@ -110,7 +89,7 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 	require.NoError(t, err)
 	defer c.Close()
 	queue := "generate-kill"
-	w1 := startWorkerGroup(t, bin, srv.Address, queue, logDir, dataDir)
+	w1 := startWorker(t, bin, srv.Address, queue, logDir, "--data-dir", dataDir)
 	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
@@ -126,7 +105,7 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 	}
 	t.Logf("worker 1 (pid %d) SIGKILLed: %d samples served, %d requests sent, of %d", w1.Process.Pid, atKill.Completions, sentAtKill, prompts*n)
 	require.Less(t, atKill.Completions, prompts*n, "attempt 1 finished before the kill: nothing to resume")
-	startWorkerGroup(t, bin, srv.Address, queue, logDir, dataDir)
+	startWorker(t, bin, srv.Address, queue, logDir, "--data-dir", dataDir)
 
 	// The run's own deadline: heartbeat timeout (2s), retry, the remaining
 	// ~60% at ~800 prompts/s; 2 minutes is ample on a loaded machine.
