@@ -340,6 +340,28 @@ func (c *Comm) WaitEvent(ctx context.Context, e Event) error {
 	})
 }
 
+// EventDone is one non-blocking poll of e's most recent record that watches
+// the communicator like WaitEvent: an asynchronous NCCL error fails it (and
+// aborts the communicator), so a caller polling work queued behind a
+// broadcast learns that a peer died instead of waiting for its deadline.
+// It does not hold the actor between polls, unlike WaitEvent.
+func (c *Comm) EventDone(ctx context.Context, e Event) (done bool, err error) {
+	err = c.do(ctx, func(api API) error {
+		d, qerr := api.EventQuery(e)
+		if qerr != nil {
+			return c.fail(api, "querying an event", qerr)
+		}
+		// After the query, as in await: an error raised just before the
+		// work drained must not be missed.
+		if aerr := api.CommGetAsyncError(c.handle); aerr != nil && !IsInProgress(aerr) {
+			return c.fail(api, "querying an event", aerr)
+		}
+		done = d
+		return nil
+	})
+	return done && err == nil, err
+}
+
 // Synchronize waits until everything enqueued on the communicator's stream
 // completed, like WaitEvent.
 func (c *Comm) Synchronize(ctx context.Context) error {

@@ -439,3 +439,69 @@ func TestPeerAbortIsRemoteError(t *testing.T) {
 		t.Errorf("leaked %s", l)
 	}
 }
+
+// EventDone polls without holding the actor and surfaces the asynchronous
+// error of a broadcast that cannot finish, aborting the communicator.
+func TestEventDoneSeesAsyncError(t *testing.T) {
+	f := NewFake(FakeConfig{VirtualPeers: true})
+	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	p := fill(t, c, make([]byte, 8))
+	defer free(t, c, p)
+	var done Event
+	if err := c.Device().Do(context.Background(), func(api API) error {
+		var err error
+		done, err = api.EventCreate(EventDisableTiming)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Device().Do(context.Background(), func(api API) error { return api.EventDestroy(done) })
+	// A healthy broadcast: EventDone turns true.
+	if err := c.BroadcastAsync(context.Background(), p, 8, Uint8, Order{Done: done}); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		ok, err := c.EventDone(context.Background(), done)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// A broadcast whose peer died: EventDone fails with the remote error.
+	f.OnCollective(func(c Call) Fault {
+		if c.Op == "Broadcast" {
+			return Fault{Err: RemoteError, Delay: 10 * time.Millisecond}
+		}
+		return Fault{}
+	})
+	if err := c.BroadcastAsync(context.Background(), p, 8, Uint8, Order{Done: done}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		ok, err := c.EventDone(context.Background(), done)
+		if err != nil {
+			if !errors.Is(err, ErrAborted) || !errors.Is(err, RemoteError) {
+				t.Fatalf("got %v, want ErrAborted wrapping ncclRemoteError", err)
+			}
+			break
+		}
+		if ok {
+			t.Fatal("a failed broadcast's event reported done without an error")
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("EventDone never saw the asynchronous error")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if c.Err() == nil {
+		t.Fatal("the communicator is not poisoned")
+	}
+}
