@@ -3,8 +3,10 @@ package staging
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/rlflow/rlflow/nccl/safetensors"
 )
@@ -26,18 +28,20 @@ type MappedSource interface {
 }
 
 type copyPart struct {
-	name     string
-	dst, src []byte
-	conv     func(dst, src []byte) error
-	win      int // the window this part belongs to
+	name string
+	off  int64  // where the part's bytes go in the chunk (wire order)
+	src  []byte // the checkpoint bytes it reads
+	n    int64  // bytes it writes (len(src) unless converted)
+	conv func(dst, src []byte) error
+	win  int // the window this part belongs to
 }
 
 // span is a byte range [off, end) of a chunk.
 type span struct{ off, end int64 }
 
-// hostCopier fills pinned buffers from a Source with a few goroutines:
-// memcpy from a page-cache mmap is bound by page faults and memory
-// bandwidth per core, so one core cannot keep up with a PCIe Gen5 copy.
+// hostCopier fills pinned ring slots from a Source with a few goroutines:
+// one core cannot copy from the page cache as fast as a PCIe Gen5 copy
+// engine reads.
 type hostCopier struct {
 	src       Source
 	workers   int
@@ -48,20 +52,21 @@ type hostCopier struct {
 // parts cuts the chunk's bytes [from, to) into jobs of at most
 // partBytes, at element boundaries (byte boundaries where nothing is
 // converted), and groups consecutive jobs into windows of at least
-// h.window bytes. Jobs are in wire order, so each window is a contiguous
-// range of the chunk. from and to must not fall inside a converted tensor.
-func (h *hostCopier) parts(c Chunk, dst []byte, from, to int64) ([]copyPart, []span, error) {
+// h.window bytes and less than h.window plus one element. Jobs are in wire
+// order, so each window is a contiguous range of the chunk. from and to
+// must not fall inside a converted tensor.
+func (h *hostCopier) parts(c Chunk, from, to int64) ([]copyPart, []span, error) {
 	var out []copyPart
 	var wins []span
 	win, acc := 0, int64(0)
-	add := func(p copyPart, off int64) {
+	add := func(p copyPart) {
 		if len(wins) == win {
-			wins = append(wins, span{off, off})
+			wins = append(wins, span{p.off, p.off})
 		}
-		wins[win].end = off + int64(len(p.dst))
+		wins[win].end = p.off + p.n
 		p.win = win
 		out = append(out, p)
-		acc += int64(len(p.dst))
+		acc += p.n
 		if h.window > 0 && acc >= h.window {
 			win, acc = win+1, 0
 		}
@@ -81,7 +86,6 @@ func (h *hostCopier) parts(c Chunk, dst []byte, from, to int64) ([]copyPart, []s
 		if err != nil {
 			return nil, nil, fmt.Errorf("staging: tensor %q: %w", p.Src.Name, err)
 		}
-		d := dst[p.Offset : p.Offset+p.Bytes]
 		// Unconverted bytes are copied as bytes, so a piece may be cut
 		// anywhere (a registered segment ends at a page, not an element).
 		si, di := int64(1), int64(1)
@@ -102,70 +106,103 @@ func (h *hostCopier) parts(c Chunk, dst []byte, from, to int64) ([]copyPart, []s
 				// windows stay close to h.window and start early.
 				end = min(end, e+max((h.window-acc)/di, 1))
 			}
-			add(copyPart{name: p.Src.Name, dst: d[e*di : end*di], src: src[e*si : end*si], conv: conv}, p.Offset+e*di)
+			add(copyPart{name: p.Src.Name, off: p.Offset + e*di, src: src[e*si : end*si], n: (end - e) * di, conv: conv})
 			e = end
 		}
 	}
 	return out, wins, nil
 }
 
-// fill copies parts (from parts, into a pinned buffer) with the copier's
-// workers and calls ready(w) on the calling goroutine, in window order, as
-// soon as every part of window w is in place, while the workers go on with
-// the next windows. It returns the first error of a part, of ready, or of
-// ctx, after every worker stopped.
-func (h *hostCopier) fill(ctx context.Context, parts []copyPart, nwin int, ready func(w int) error) error {
+// fill copies parts (from parts) with the copier's workers, window by
+// window, each window into a ring slot taken when its first part is handed
+// out (waiting while none is free).
+//
+// The calling goroutine issues: it calls ready(ws, slots) with the windows
+// whose parts are all copied since its last call (window ws[i] in slot
+// slots[i], from the slot's first byte), in the order their copies
+// finished, not in window order (a worker the scheduler holds back must not
+// keep the finished windows behind it from the copy engine). ready must
+// enqueue those slots' copies, hand the slots to the ring (enqueued) and
+// reap the ring, all in one go, and say how many slots it reaped. While
+// copies are in flight and no window is finished, the caller calls ready
+// with no windows (reaping only) and yields the processor in between,
+// sleeping only after a long fruitless spell (copies queued behind a slow
+// broadcast): Go timers shorter than a millisecond may sleep about one on
+// Linux, long enough for the copy engine to run dry.
+//
+// It returns the time spent waiting for slots and the first error of a
+// part, ready, or ctx, after every worker stopped.
+func (h *hostCopier) fill(ctx context.Context, parts []copyPart, wins []span, ring *hostRing, ready func(ws, slots []int) (int, error)) (time.Duration, error) {
+	nwin := len(wins)
 	if nwin == 0 {
-		return nil
+		return 0, nil
 	}
 	left := make([]atomic.Int64, nwin)
-	done := make([]chan struct{}, nwin)
-	for i := range done {
-		done[i] = make(chan struct{})
-	}
+	finished := make(chan int, nwin) // windows whose parts are all copied
 	for _, p := range parts {
 		left[p.win].Add(1)
 	}
+	// slotOf[w] is written by the dispatcher before window w's parts are
+	// handed out and read after w came out of finished: ordered by the
+	// channels.
+	slotOf := make([]int, nwin)
 	var once sync.Once
 	var first error
 	stop := make(chan struct{})
 	fail := func(err error) {
 		once.Do(func() { first = err; close(stop) })
 	}
-	run := func(p copyPart) error {
-		if p.conv == nil {
-			copy(p.dst, p.src)
-			return nil
-		}
-		if err := p.conv(p.dst, p.src); err != nil {
-			return fmt.Errorf("staging: tensor %q: %w", p.name, err)
-		}
-		return nil
+	type job struct {
+		copyPart
+		buf []byte // the window's slot from the window's first byte
+		at  int64  // the window's first byte in the chunk
 	}
-	jobs := make(chan copyPart)
+	jobs := make(chan job)
 	var wg sync.WaitGroup
 	for i := 0; i < max(min(h.workers, len(parts)), 1); i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for p := range jobs {
-				if err := run(p); err != nil {
+			for j := range jobs {
+				dst := j.buf[j.off-j.at : j.off-j.at+j.n]
+				var err error
+				if j.conv == nil {
+					copy(dst, j.src)
+				} else if err = j.conv(dst, j.src); err != nil {
+					err = fmt.Errorf("staging: tensor %q: %w", j.name, err)
+				}
+				if err != nil {
 					fail(err)
 					continue
 				}
-				if left[p.win].Add(-1) == 0 {
-					close(done[p.win])
+				if left[j.win].Add(-1) == 0 {
+					finished <- j.win
 				}
 			}
 		}()
 	}
+	var waited time.Duration
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		defer close(jobs)
+		w := -1
+		var buf []byte
 		for _, p := range parts {
+			if p.win != w {
+				w = p.win
+				s, d, err := ring.take(ctx, stop)
+				waited += d
+				if err != nil {
+					if err != errStopped {
+						fail(err)
+					}
+					return
+				}
+				slotOf[w], buf = s, ring.slot(s)
+			}
 			select {
-			case jobs <- p:
+			case jobs <- job{copyPart: p, buf: buf, at: wins[w].off}:
 			case <-stop:
 				return
 			case <-ctx.Done():
@@ -174,20 +211,60 @@ func (h *hostCopier) fill(ctx context.Context, parts []copyPart, nwin int, ready
 			}
 		}
 	}()
-	for w := 0; w < nwin; w++ {
-		select {
-		case <-done[w]:
-			if err := ready(w); err != nil {
-				fail(err)
+	const spinMax = 4096 // fruitless rounds before sleeping between reaps
+	var ws, slots []int
+	idle := 0
+	for issued := 0; issued < nwin; {
+		ws, slots = ws[:0], slots[:0]
+	drain:
+		for {
+			select {
+			case w := <-finished:
+				ws, slots = append(ws, w), append(slots, slotOf[w])
+			default:
+				break drain
 			}
-		case <-stop:
+		}
+		if len(ws) == 0 && !ring.inFlight() {
+			// Nothing to reap: wait for a window (or the end).
+			select {
+			case w := <-finished:
+				ws, slots = append(ws, w), append(slots, slotOf[w])
+			case <-stop:
+			}
 		}
 		select {
 		case <-stop:
-			w = nwin // a part, ready or ctx failed: stop issuing
+			issued = nwin // a part, a slot wait, ready or ctx failed
+			continue
 		default:
 		}
+		reaped, err := ready(ws, slots)
+		if err != nil {
+			fail(err)
+			continue
+		}
+		issued += len(ws)
+		if len(ws) > 0 || reaped > 0 {
+			idle = 0
+			continue
+		}
+		if idle++; idle < spinMax {
+			runtime.Gosched()
+			continue
+		}
+		t := time.NewTimer(200 * time.Microsecond)
+		select {
+		case w := <-finished:
+			// Put it back for the next round's drain.
+			finished <- w
+		case <-stop:
+		case <-ctx.Done():
+			fail(ctx.Err())
+		case <-t.C:
+		}
+		t.Stop()
 	}
 	wg.Wait()
-	return first
+	return waited, first
 }

@@ -70,8 +70,13 @@ var DefaultOptions = Options{
 	Mode:    ModeCopy,
 	Buffers: 2,
 	// CopyWorkers 0: GOMAXPROCS, at most 16 (see withDefaults).
-	SplitBytes:           8 << 20,
-	WindowBytes:          128 << 20, // best of the H200 sweep: 38.6 GB/s, 70% of the pinned ceiling
+	SplitBytes: 8 << 20, // one job per window
+	// 32 slots of 2 MiB: 82-83% of the pinned ceiling on one H200 host
+	// (300 MiB L3), 78% on another, where 32 x 4 MiB fell to 52% (the
+	// ring no longer stays in cache) though it did 85-87% on the first.
+	// See nccl/GPU-RESULTS.md.
+	WindowBytes:          2 << 20,
+	PinnedBytes:          64 << 20,
 	HostAllocFlags:       nccl.HostAllocPortable,
 	RegisterSegmentBytes: 64 << 20,
 	RegisterWorkers:      4,
@@ -86,24 +91,32 @@ var DefaultOptions = Options{
 type Options struct {
 	// Mode is the staging strategy (default ModeCopy, see DefaultOptions).
 	Mode Mode
-	// Buffers is the number of pinned host and device buffers N (default
-	// 2: chunk k is broadcast while chunk k+1 is copied; 3 also overlaps
-	// the host copy of k+2 with the host-to-device copy of k+1).
+	// Buffers is the number of device buffers N, each as large as the
+	// largest chunk (default 2: chunk k is broadcast while chunk k+1 is
+	// staged).
 	Buffers int
 	// CopyWorkers is the number of goroutines per host copy (default
-	// GOMAXPROCS, at most 16).
+	// GOMAXPROCS, at most 16; on the 16-core H200 host 16 and 14 measured
+	// alike, 12 less).
 	CopyWorkers int
 	// SplitBytes bounds one host-copy job: tensors are cut at element
-	// boundaries into parts of at most min(SplitBytes, WindowBytes /
-	// CopyWorkers) bytes, so that every window keeps every worker busy
-	// (default 8 MiB).
+	// boundaries into parts of at most min(SplitBytes, WindowBytes) bytes
+	// (default 8 MiB: a default window is one worker's job, and the
+	// workers fill as many windows at once).
 	SplitBytes int64
 	// WindowBytes is the granularity of the host-to-device copies inside a
-	// chunk (default 128 MiB): a window is copied to the device as soon as
-	// its bytes are staged (or registered), so the copy engine starts long
-	// before a large chunk is complete and the pipeline does not pay a
-	// whole chunk of fill and drain. Negative: one copy per chunk.
+	// chunk (default 2 MiB): the host copy fills pinned slots of this size
+	// and each is copied to the device as soon as it is filled (in
+	// ModeRegister, direct copies are issued in windows of this size as
+	// their segments are registered). Negative: one copy per chunk.
 	WindowBytes int64
+	// PinnedBytes is the pinned host memory of the host copy (default 64
+	// MiB): a ring of max(PinnedBytes / WindowBytes, 2) slots of
+	// WindowBytes (of the largest chunk for whole-chunk windows), each
+	// reused once its host-to-device copy completed. Slots small enough to
+	// still be in the CPU's cache when the copy engine reads them are what
+	// makes the host copy fast: the bytes cross DRAM once, not three times.
+	PinnedBytes int64
 	// HostAllocFlags for cudaHostAlloc (default nccl.HostAllocPortable;
 	// adding nccl.HostAllocWriteCombined is a candidate of the sweep).
 	HostAllocFlags uint
@@ -160,6 +173,9 @@ func (o Options) withDefaults() Options {
 	if o.WindowBytes == 0 {
 		o.WindowBytes = d.WindowBytes
 	}
+	if o.PinnedBytes <= 0 {
+		o.PinnedBytes = max(d.PinnedBytes, 1)
+	}
 	if o.HostAllocFlags == 0 {
 		o.HostAllocFlags = d.HostAllocFlags
 	}
@@ -199,8 +215,11 @@ type Result struct {
 	Tensors int
 	Chunks  int // broadcasts (or staged chunks)
 	Buffers int
-	// BufferBytes is the size of each pinned and device buffer.
+	// BufferBytes is the size of each device buffer.
 	BufferBytes int64
+	// Slots and SlotBytes describe the host copy's pinned ring.
+	Slots     int
+	SlotBytes int64
 	// Windows is the number of host-to-device copy windows (see
 	// Options.WindowBytes).
 	Windows int
@@ -216,7 +235,8 @@ type Result struct {
 	// HostCopy is the wall time spent copying (and converting) from the
 	// checkpoint into pinned buffers, summed over chunks.
 	HostCopy time.Duration
-	// HostWait is the time the host waited for a buffer to come free.
+	// HostWait is the time the host waited for a device buffer or a
+	// pinned slot to come free (slot waits summed over windows).
 	HostWait time.Duration
 	// H2D and Broadcast are GPU times (CUDA events) summed over windows and
 	// chunks: host-to-device copies, and broadcasts from the moment their
@@ -278,8 +298,8 @@ func (r Result) Overlap() float64 {
 }
 
 func (r Result) String() string {
-	s := fmt.Sprintf("%s: %d bytes, %d tensors, %d chunks, %d windows, %d x %d-byte buffers: wall %v (%.2f GB/s), host copy %d bytes in %v (%.2f GB/s), host wait %v, H2D %v (%.2f GB/s), overlap %.2f",
-		r.Mode, r.Bytes, r.Tensors, r.Chunks, r.Windows, r.Buffers, r.BufferBytes, r.Wall, gbps(r.Bytes, r.Wall),
+	s := fmt.Sprintf("%s: %d bytes, %d tensors, %d chunks, %d windows, %d x %d-byte device buffers, %d x %d-byte pinned slots: wall %v (%.2f GB/s), host copy %d bytes in %v (%.2f GB/s), host wait %v, H2D %v (%.2f GB/s), overlap %.2f",
+		r.Mode, r.Bytes, r.Tensors, r.Chunks, r.Windows, r.Buffers, r.BufferBytes, r.Slots, r.SlotBytes, r.Wall, gbps(r.Bytes, r.Wall),
 		r.Copied, r.HostCopy, gbps(r.Copied, r.HostCopy), r.HostWait, r.H2D, gbps(r.Bytes, r.H2D), r.Overlap())
 	if r.Mode == ModeRegister {
 		s += fmt.Sprintf(", direct %d bytes, registered %d bytes in %d segments: register %v summed over %d workers (%.2f GB/s per worker), unregister %v (%d segments early, tail %v)",
@@ -297,7 +317,7 @@ func (r Result) String() string {
 	return s
 }
 
-// Pipeline owns N pinned host buffers, N device buffers, a copy stream and
+// Pipeline owns a ring of pinned host slots, N device buffers, a copy stream and
 // the events that order them, all on one device (and, in ModeRegister, the
 // registration workers' threads). It runs one transfer at a time (not safe
 // for concurrent runs) and can be reused across updates and across
@@ -306,7 +326,7 @@ type Pipeline struct {
 	dev   *nccl.Device // the actor that allocated, and frees, the resources
 	opts  Options
 	size  int64
-	host  [][]byte
+	ring  *hostRing
 	devb  []nccl.DevPtr
 	copyS nccl.Stream
 	// Per slot: the end of the chunk's host-to-device copies, the
@@ -353,13 +373,12 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 				return fmt.Errorf("staging: device buffer %d of %d: %w", i+1, n, err)
 			}
 			p.devb = append(p.devb, d)
-			// Pinned staging buffers exist in ModeRegister too: converted
-			// chunks and fallbacks go through them.
-			h, err := api.HostAlloc(int(bufferBytes), opts.HostAllocFlags)
-			if err != nil {
-				return fmt.Errorf("staging: pinned host buffer %d of %d (%d bytes; check the memlock limit and free RAM): %w", i+1, n, bufferBytes, err)
-			}
-			p.host = append(p.host, h)
+		}
+		// The ring exists in ModeRegister too: converted chunks and
+		// fallbacks go through it.
+		slotBytes, slots := ringGeometry(opts.WindowBytes, bufferBytes, opts.PinnedBytes)
+		if p.ring, err = newHostRing(api, slotBytes, slots, opts.HostAllocFlags); err != nil {
+			return err
 		}
 		if p.copyS, err = api.StreamCreate(nccl.StreamNonBlocking); err != nil {
 			return err
@@ -374,6 +393,22 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 			}
 		}
 		p.wStart, p.wDone, p.used = make([][]nccl.Event, n), make([][]nccl.Event, n), make([]int, n)
+		// The window events a chunk of bufferBytes needs, created now
+		// rather than during the first transfer (h2d still adds more if a
+		// layout needs them): a few microseconds each, a thousand of them
+		// for 1 GiB chunks in 4 MiB windows.
+		perSlot := int(min((bufferBytes+slotBytes-1)/slotBytes+2, 4096))
+		for i := 0; i < n; i++ {
+			for j := 0; j < perSlot; j++ {
+				for _, evs := range []*[]nccl.Event{&p.wStart[i], &p.wDone[i]} {
+					e, err := api.EventCreate(nccl.EventDefault)
+					if err != nil {
+						return err
+					}
+					*evs = append(*evs, e)
+				}
+			}
+		}
 		return nil
 	})
 	if err == nil && opts.Mode == ModeRegister {
@@ -436,8 +471,8 @@ func (p *Pipeline) release(ctx context.Context) error {
 			for _, d := range p.devb {
 				keep(api.Free(d))
 			}
-			for _, h := range p.host {
-				keep(api.FreeHost(h))
+			if p.ring != nil {
+				keep(p.ring.release(api))
 			}
 			if p.copyS != 0 {
 				keep(api.StreamDestroy(p.copyS))
@@ -451,7 +486,7 @@ func (p *Pipeline) release(ctx context.Context) error {
 				keep(api.EventDestroy(e))
 			}
 		}
-		p.devb, p.host, p.copyS = nil, nil, 0
+		p.devb, p.ring, p.copyS = nil, nil, 0
 		p.h2dDone, p.bStart, p.bDone, p.wStart, p.wDone = nil, nil, nil, nil, nil
 		if p.broken != nil {
 			return fmt.Errorf("staging: buffers left allocated after %v", p.broken)
@@ -486,8 +521,8 @@ func (p *Pipeline) Stage(ctx context.Context, src Source, chunks []Chunk) (Resul
 
 // h2d enqueues one window of host-to-device copies into slot's device
 // buffer on the copy stream, between the window's two events, and returns
-// the event after the copies.
-func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfer) (nccl.Event, error) {
+// the event after the copies; after (if not 0) is recorded after them too.
+func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfer, after nccl.Event) (nccl.Event, error) {
 	var done nccl.Event
 	err := dev.Do(ctx, func(api nccl.API) error {
 		w := p.used[slot]
@@ -510,6 +545,11 @@ func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfe
 		}
 		if err := api.EventRecord(p.wDone[slot][w], p.copyS); err != nil {
 			return err
+		}
+		if after != 0 {
+			if err := api.EventRecord(after, p.copyS); err != nil {
+				return err
+			}
 		}
 		p.used[slot]++
 		done = p.wDone[slot][w]
@@ -538,27 +578,39 @@ type copyOut struct {
 	windows  int
 	copied   int64
 	hostCopy time.Duration
+	slotWait time.Duration
 	err      error
 }
 
-// copyRange stages bytes [from, to) of chunk c through slot's pinned
-// buffer, each window copied to the device as soon as it is filled.
-func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, cp *hostCopier, c Chunk, slot int, from, to int64) (out copyOut) {
+// copyRange stages bytes [from, to) of chunk c through the pinned ring into
+// slot's device buffer, each window copied to the device as soon as its
+// ring slot is filled.
+func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, c Chunk, slot int, from, to int64) (out copyOut) {
 	t := time.Now()
 	// A named result: the deferred assignment must reach the caller.
 	defer func() { out.hostCopy = time.Since(t) }()
-	parts, wins, err := cp.parts(c, p.host[slot], from, to)
+	parts, wins, err := cp.parts(c, from, to)
 	if err != nil {
 		out.err = err
 		return out
 	}
-	out.err = cp.fill(ctx, parts, len(wins), func(w int) error {
-		x := xfer{dst: wins[w].off, src: p.host[slot][wins[w].off:wins[w].end]}
-		if _, err := p.h2d(ctx, dev, slot, []xfer{x}); err != nil {
-			return fmt.Errorf("host-to-device copy: %w", err)
-		}
-		out.windows++
-		return nil
+	out.slotWait, out.err = cp.fill(ctx, parts, wins, p.ring, func(ws, slots []int) (reaped int, err error) {
+		// One trip to the actor for the lot: the copies, then the reap.
+		err = dev.Do(ctx, func(nccl.API) error {
+			for i, w := range ws {
+				s := slots[i]
+				x := xfer{dst: wins[w].off, src: p.ring.slot(s)[:wins[w].end-wins[w].off]}
+				if _, err := p.h2d(ctx, dev, slot, []xfer{x}, p.ring.ev[s]); err != nil {
+					return fmt.Errorf("host-to-device copy: %w", err)
+				}
+				p.ring.enqueued(s)
+				out.windows++
+			}
+			var err error
+			reaped, err = p.ring.reap(ctx, query)
+			return err
+		})
+		return reaped, err
 	})
 	out.copied = to - from
 	return out
@@ -579,28 +631,29 @@ func (p *Pipeline) splitPoint(c Chunk) int64 {
 // from registered segments where it can (reg != nil), through the pinned
 // buffer for the rest (the CopyFraction tail concurrently, a failed
 // registration's remainder after). It returns once every copy is enqueued.
-func (p *Pipeline) stageChunk(ctx context.Context, dev *nccl.Device, cp *hostCopier, reg *registrar, c Chunk, slot int, res *Result) error {
+func (p *Pipeline) stageChunk(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, reg *registrar, c Chunk, slot int, res *Result) error {
 	merge := func(o copyOut) error {
 		res.Windows += o.windows
 		res.Copied += o.copied
 		res.HostCopy += o.hostCopy
+		res.HostWait += o.slotWait
 		return o.err
 	}
 	if reg == nil || hasConversion(c) || !reg.usable() {
-		return merge(p.copyRange(ctx, dev, cp, c, slot, 0, c.Bytes))
+		return merge(p.copyRange(ctx, dev, query, cp, c, slot, 0, c.Bytes))
 	}
 	split := p.splitPoint(c)
 	var tail chan copyOut
 	if split < c.Bytes {
 		tail = make(chan copyOut, 1)
-		go func() { tail <- p.copyRange(ctx, dev, cp, c, slot, split, c.Bytes) }()
+		go func() { tail <- p.copyRange(ctx, dev, query, cp, c, slot, split, c.Bytes) }()
 	}
 	from, err := p.directRange(ctx, dev, reg, c, slot, split, res)
 	if err == nil && from < split {
-		err = merge(p.copyRange(ctx, dev, cp, c, slot, from, split))
+		err = merge(p.copyRange(ctx, dev, query, cp, c, slot, from, split))
 	}
 	if tail != nil {
-		// Always joined: the tail uses the pinned buffer and the actor.
+		// Always joined: the tail uses the pinned ring and the actor.
 		if terr := merge(<-tail); err == nil {
 			err = terr
 		}
@@ -641,7 +694,7 @@ func (p *Pipeline) directRange(ctx context.Context, dev *nccl.Device, reg *regis
 				return from, nil
 			}
 		}
-		done, err := p.h2d(ctx, dev, slot, xs[i:j])
+		done, err := p.h2d(ctx, dev, slot, xs[i:j], 0)
 		if err != nil {
 			return from, fmt.Errorf("host-to-device copy from the registered checkpoint: %w", err)
 		}
@@ -666,17 +719,30 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 	if m := MaxChunk(chunks); m > p.size {
 		return res, fmt.Errorf("staging: largest chunk is %d bytes, buffers hold %d: a broadcast cannot be split (the receiver takes each in one call)", m, p.size)
 	}
-	n := len(p.host)
+	n := len(p.devb)
 	res.Mode, res.Buffers, res.BufferBytes, res.Chunks = p.opts.Mode, n, p.size, len(chunks)
+	res.Slots, res.SlotBytes = p.ring.slots(), p.ring.slotBytes
 	for _, c := range chunks {
 		res.Bytes += c.Bytes
 		res.Tensors += len(c.Pieces)
 	}
-	partBytes := p.opts.SplitBytes
-	if p.opts.WindowBytes > 0 {
-		partBytes = min(partBytes, max(p.opts.WindowBytes/int64(p.opts.CopyWorkers), 1))
+	partBytes := min(p.opts.SplitBytes, p.ring.slotBytes)
+	cp := &hostCopier{src: src, workers: p.opts.CopyWorkers, partBytes: partBytes, window: p.ring.slotBytes}
+	// Every slot is free: the previous run waited for its copies, or was
+	// drained (else the pipeline is broken and refused above).
+	p.ring.reset()
+	query := func(ctx context.Context, e nccl.Event) (bool, error) {
+		if comm != nil {
+			return comm.EventDone(ctx, e)
+		}
+		var done bool
+		err := dev.Do(ctx, func(api nccl.API) error {
+			var err error
+			done, err = api.EventQuery(e)
+			return err
+		})
+		return done, err
 	}
-	cp := &hostCopier{src: src, workers: p.opts.CopyWorkers, partBytes: partBytes, window: p.opts.WindowBytes}
 
 	wait := func(e nccl.Event) error {
 		t := time.Now()
@@ -762,9 +828,11 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			return fmt.Errorf("staging: chunk %d of %d (%d bytes%s): %s: %w", k+1, len(chunks), c.Bytes, firstName(c), what, err)
 		}
 		if k >= n {
-			// The host buffer is free once the copy of chunk k-n left it.
+			// Chunk k-n's copies are done before their window events are
+			// read and recorded again (long done: the ring holds far less
+			// than a chunk).
 			if err := wait(p.h2dDone[slot]); err != nil {
-				return res, fail("waiting for a free pinned buffer", err)
+				return res, fail("waiting for the host-to-device copy of chunk "+fmt.Sprint(k-n+1), err)
 			}
 			res.H2D += p.h2dTime(ctx, dev, slot)
 			if comm != nil {
@@ -776,7 +844,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			}
 		}
 		p.used[slot] = 0
-		if err := p.stageChunk(ctx, dev, cp, reg, c, slot, &res); err != nil {
+		if err := p.stageChunk(ctx, dev, query, cp, reg, c, slot, &res); err != nil {
 			return res, fail("staging", err)
 		}
 		if err := dev.Do(ctx, func(api nccl.API) error { return api.EventRecord(p.h2dDone[slot], p.copyS) }); err != nil {

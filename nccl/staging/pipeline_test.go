@@ -546,3 +546,40 @@ func TestReceiverGetsBytesAndDeathIsAnError(t *testing.T) {
 		})
 	}
 }
+
+// A host copy waiting for a pinned slot whose copy is queued behind a
+// broadcast that cannot finish learns of the peer's death from the
+// communicator's asynchronous error; it does not wait for a deadline (there
+// is none here).
+func TestSlotWaitSeesAsyncError(t *testing.T) {
+	ck := writeCheckpoint(t, t.TempDir(), mixed)
+	chunks := oracle(t, ck, true, 4226, false)
+	if len(chunks) < 3 {
+		t.Fatalf("want 3+ chunks, got %d", len(chunks))
+	}
+	// Two 256-byte slots: chunk 3's windows queue behind broadcast 1.
+	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{Buffers: 2, WindowBytes: 256, PinnedBytes: 512})
+	e.fake.OnCollective(func(c nccl.Call) nccl.Fault {
+		if c.Index == 1 { // the first broadcast (0 is the warm-up)
+			return nccl.Fault{Err: nccl.RemoteError, Delay: 30 * time.Millisecond}
+		}
+		return nccl.Fault{}
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, nccl.RemoteError) || !errors.Is(err, nccl.ErrAborted) {
+			t.Fatalf("got %v, want ncclRemoteError and an aborted communicator", err)
+		}
+		t.Logf("error: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the transfer hung after the peer's asynchronous error")
+	}
+	if _, err := e.pipe.Stage(context.Background(), ck, chunks); err != nil {
+		t.Fatalf("pipeline unusable after the failed broadcast: %v", err)
+	}
+}

@@ -240,7 +240,7 @@ func TestCopyPartsTileWindows(t *testing.T) {
 	var mu sync.Mutex
 	for _, win := range []int64{-1, 1, 100, 999, 4096} {
 		h := &hostCopier{src: ck, workers: 3, partBytes: 333, window: win}
-		parts, wins, err := h.parts(c, dst, 0, c.Bytes)
+		parts, wins, err := h.parts(c, 0, c.Bytes)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -249,24 +249,41 @@ func TestCopyPartsTileWindows(t *testing.T) {
 			if w.off != off || w.end <= w.off {
 				t.Fatalf("window %d %v does not follow %d", i, w, off)
 			}
+			if win > 0 && w.end-w.off >= win+8 {
+				t.Fatalf("window %d is %d bytes, over %d plus an element", i, w.end-w.off, win)
+			}
 			off = w.end
 		}
 		if off != c.Bytes {
 			t.Fatalf("windows end at %d of %d", off, c.Bytes)
 		}
+		// Two slots in plain memory, handed back as soon as a window is
+		// "copied" (into dst), so the workers wait for slots.
+		slotBytes, _ := ringGeometry(win, c.Bytes, 1)
+		ring := plainRing(slotBytes, 2)
 		var order []int
-		if err := h.fill(context.Background(), parts, len(wins), func(w int) error {
-			mu.Lock()
-			order = append(order, w)
-			mu.Unlock()
-			return nil
+		if _, err := h.fill(context.Background(), parts, wins, ring, func(ws, slots []int) (int, error) {
+			for i, w := range ws {
+				mu.Lock()
+				order = append(order, w)
+				mu.Unlock()
+				copy(dst[wins[w].off:wins[w].end], ring.slot(slots[i]))
+				ring.free <- slots[i]
+			}
+			return 0, nil
 		}); err != nil {
 			t.Fatal(err)
 		}
-		for i, w := range order {
-			if w != i {
-				t.Fatalf("windows ready in order %v", order)
+		// Every window ready exactly once (in the order the copies end).
+		seen := make([]bool, len(wins))
+		for _, w := range order {
+			if seen[w] {
+				t.Fatalf("window %d ready twice: %v", w, order)
 			}
+			seen[w] = true
+		}
+		if len(order) != len(wins) {
+			t.Fatalf("%d of %d windows ready", len(order), len(wins))
 		}
 		if !bytes.Equal(dst, wireBytes(t, ck, c)) {
 			t.Fatalf("window %d: wrong bytes", win)
@@ -281,7 +298,7 @@ func TestCopyPartsTileWindows(t *testing.T) {
 		}
 	}
 	h := &hostCopier{src: ck, workers: 1, partBytes: 1 << 20}
-	if _, _, err := h.parts(c, dst, conv.Offset+1, c.Bytes); err == nil {
+	if _, _, err := h.parts(c, conv.Offset+1, c.Bytes); err == nil {
 		t.Fatal("resumed a conversion at an odd byte")
 	}
 }
@@ -296,4 +313,14 @@ func TestCopyTimeIsReported(t *testing.T) {
 	if res.Copied == 0 || res.HostCopy <= 0 {
 		t.Fatalf("copied %d bytes in %v: the host copy time is lost", res.Copied, res.HostCopy)
 	}
+}
+
+// plainRing is a hostRing in ordinary memory with no events, for tests that
+// hand slots back themselves.
+func plainRing(slotBytes int64, slots int) *hostRing {
+	stride := slotBytes + ringPad
+	r := &hostRing{mem: make([]byte, stride*int64(slots)), slotBytes: slotBytes, stride: stride,
+		ev: make([]nccl.Event, slots), free: make(chan int, slots)}
+	r.reset()
+	return r
 }
