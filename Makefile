@@ -6,7 +6,7 @@ TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
 TEMPORAL_CLI := github.com/temporalio/cli/cmd/temporal@v1.5.1
 
-.PHONY: demo test build vet fuzz bench bench-generate compose-check clean
+.PHONY: demo test build vet fuzz bench bench-generate compose-check clean gpu-carry
 
 build: $(RLFLOW)
 
@@ -42,6 +42,19 @@ bench-generate:
 
 compose-check:
 	docker-compose config -q
+
+# Everything one GPU-host run needs (tests/gpu/device-run.sh), stripped and
+# xz-compressed into .carry/ (git-ignored): about 48 MB, under the 64 MiB a
+# device run may carry. See nccl/GPU.md.
+gpu-carry: $(TEMPORAL)
+	mkdir -p .carry /tmp/rlflow-carry
+	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/staging-gpu.test ./nccl/staging
+	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/gpu.test ./gpu
+	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/e2e.test ./e2e
+	CGO_ENABLED=1 $(GO) build -ldflags='-s -w' -o /tmp/rlflow-carry/rlflow ./cmd/rlflow
+	strip -o /tmp/rlflow-carry/temporal $(TEMPORAL)
+	for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do xz -T0 -6 -c /tmp/rlflow-carry/$$b > .carry/$$b.xz || exit 1; done
+	du -cb .carry/*.xz
 
 clean:
 	rm -rf bin/rlflow .rlflow

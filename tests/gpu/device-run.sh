@@ -1,0 +1,53 @@
+#!/bin/bash
+# The issue-4 GPU checks in one device call (about 5 minutes on the H200 host),
+# from the repository root, after `make gpu-carry` here and with carry
+# [".carry/staging-gpu.test.xz", ".carry/gpu.test.xz", ".carry/e2e.test.xz",
+#  ".carry/rlflow.xz", ".carry/temporal.xz"]:
+#   1. benchmarks from one run (TestGPUBench: staging sweep against the pinned
+#      ceiling, end to end against torch, raw broadcast against torch.distributed);
+#   2. correctness (byte-exact W2/W3 packed and non-packed, F32->BF16, a peer
+#      that never joins, a killed receiver);
+#   3. gpu.Transfer against vLLM-like HTTP receivers;
+#   4. the GPU worker SIGKILLed mid-broadcast on a real dev server.
+# Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
+# Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
+# sweep's RLFLOW_STAGE_CONFIGS); T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
+set -o pipefail
+for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
+	xz -dc .carry/$b.xz > /tmp/$b && chmod +x /tmp/$b || exit 2
+done
+# Both sides on the receiver's NCCL: ranks of different NCCL versions refuse
+# to connect ("Mismatched NCCL version").
+L=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
+export RLFLOW_NCCL_LIB=$L RECEIVER_NCCL_LIB=$L RLFLOW_GPU_LOGS=$PWD/gpu-logs
+export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w4M-128M|ring-w4M-128M-14workers|ring-w4M-64M|ring-w2M-32M|ring-w1M-32M|prev-w128M-2G|prev-chunk-2x1G)$'}
+mkdir -p "$RLFLOW_GPU_LOGS"
+R=$PWD
+rc=0
+step() { # name, status
+	echo "$1 rc=$2"
+	[ "$2" = 0 ] || rc=1
+}
+
+cd "$R/nccl/staging" || exit 2
+timeout "${T_BENCH:-200}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run "${BENCH:-TestGPUBench}" > "$OUT/gpu-bench.log" 2>&1
+step bench $?
+grep -E "GPU-FIGURE stage .*(MEDIAN|BEST|DEFAULT)|^--- " "$OUT/gpu-bench.log" | cut -c1-260
+grep "GPU-FIGURE" "$OUT/gpu-bench.log" | grep -v "GPU-FIGURE stage" | cut -c1-260
+if [ -z "$ONLY_BENCH" ]; then
+	timeout "${T_CORR:-120}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run 'TestGPUPeerNeverJoins|TestGPUBroadcastToReceivers|TestGPUKilledReceiver' > "$OUT/gpu-correctness.log" 2>&1
+	step correctness $?
+	grep -E "^(---|    ---)" "$OUT/gpu-correctness.log"
+
+	cd "$R/gpu" || exit 2
+	timeout "${T_TRANSFER:-80}" /tmp/gpu.test -test.v -test.timeout 10m -test.run TestGPUTransferToHTTPReceivers > "$OUT/gpu-transfer.log" 2>&1
+	step transfer $?
+	grep -E "^(---|    ---)" "$OUT/gpu-transfer.log"
+
+	cd "$R/e2e" || exit 2
+	RLFLOW_TEMPORAL=/tmp/temporal RLFLOW_BIN=/tmp/rlflow timeout "${T_REC:-90}" /tmp/e2e.test -test.v -test.timeout 10m -test.run 'TestGPUHostWorkerSIGKILLDuringBroadcast$' > "$OUT/gpu-recovery.log" 2>&1
+	step recovery $?
+	grep -E "^(---|    ---)" "$OUT/gpu-recovery.log"
+fi
+tar czf "$OUT/gpu-logs.tgz" -C "$RLFLOW_GPU_LOGS" .
+exit $rc
