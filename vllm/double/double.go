@@ -125,6 +125,9 @@ type Stats struct {
 	Prompts          map[string]int
 	PromptsUntracked int
 	Faults           map[string]int // by "error", "drop", "slow"
+	// PeakRunning is the most sequences served at the same time (holding
+	// one of MaxConcurrent slots) since the server started.
+	PeakRunning int
 }
 
 const maxTrackedPrompts = 1 << 20
@@ -339,6 +342,7 @@ func (s *Server) Stats() Stats {
 	out.Requests = copyMap(s.stats.Requests)
 	out.Prompts = copyMap(s.stats.Prompts)
 	out.Faults = copyMap(s.stats.Faults)
+	out.PeakRunning = s.sched.peakRunning()
 	return out
 }
 

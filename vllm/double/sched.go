@@ -32,6 +32,29 @@ type scheduler struct {
 	ctl      chan struct{} // closed and replaced on pause, resume and abort
 	inflight int           // admitted, not yet finished sequences
 	idle     chan struct{} // closed when inflight drops to 0; nil if nobody waits
+	running  int           // sequences holding a slot (all admitted ones when unbounded)
+	peak     int           // the most running at once since the server started
+}
+
+// peakRunning is the most sequences that held a slot at the same time.
+func (s *scheduler) peakRunning() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.peak
+}
+
+// slotTaken and slotLeft count the sequences being served.
+func (s *scheduler) slotTaken() {
+	s.mu.Lock()
+	s.running++
+	s.peak = max(s.peak, s.running)
+	s.mu.Unlock()
+}
+
+func (s *scheduler) slotLeft() {
+	s.mu.Lock()
+	s.running--
+	s.mu.Unlock()
 }
 
 func newScheduler(maxConcurrent int) *scheduler {
@@ -136,9 +159,15 @@ func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 	}
 	left := d
 	haveSlot := s.slots == nil
+	if haveSlot {
+		s.slotTaken()
+	}
 	defer func() {
-		if haveSlot && s.slots != nil {
-			<-s.slots
+		if haveSlot {
+			s.slotLeft()
+			if s.slots != nil {
+				<-s.slots
+			}
 		}
 	}()
 	for {
@@ -161,6 +190,7 @@ func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 			select {
 			case s.slots <- struct{}{}:
 				haveSlot = true
+				s.slotTaken()
 			case <-ctl:
 			case <-ctx.Done():
 				return outcome{}, ctx.Err()
