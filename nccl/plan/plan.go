@@ -24,6 +24,7 @@ import (
 	"math/bits"
 	"slices"
 
+	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/safetensors"
 )
 
@@ -120,41 +121,15 @@ func Packed(tensors []Tensor, threshold int64) []Chunk {
 	return chunks
 }
 
-// DataType is ncclDataType_t.
-type DataType int
-
-// ncclDataType_t values (nccl.h).
-const (
-	Int8     DataType = 0
-	Uint8    DataType = 1
-	Int32    DataType = 2
-	Uint32   DataType = 3
-	Int64    DataType = 4
-	Uint64   DataType = 5
-	Float16  DataType = 6
-	Float32  DataType = 7
-	Float64  DataType = 8
-	Bfloat16 DataType = 9
-)
-
-var dataTypeNames = map[DataType]string{
-	Int8: "ncclInt8", Uint8: "ncclUint8", Int32: "ncclInt32", Uint32: "ncclUint32",
-	Int64: "ncclInt64", Uint64: "ncclUint64", Float16: "ncclFloat16",
-	Float32: "ncclFloat32", Float64: "ncclFloat64", Bfloat16: "ncclBfloat16",
-}
-
-func (d DataType) String() string {
-	if s, ok := dataTypeNames[d]; ok {
-		return s
-	}
-	return fmt.Sprintf("ncclDataType(%d)", int(d))
-}
+// DataType is ncclDataType_t, nccl.DataType itself: the plan names the
+// type each non-packed broadcast carries.
+type DataType = nccl.DataType
 
 // vllmDataTypes is vLLM's ncclDataTypeEnum.from_torch: eight dtypes. NCCL
 // also has Uint32 and Uint64, but a vLLM worker raises on them.
 var vllmDataTypes = map[string]DataType{
-	"int8": Int8, "uint8": Uint8, "int32": Int32, "int64": Int64,
-	"float16": Float16, "float32": Float32, "float64": Float64, "bfloat16": Bfloat16,
+	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
+	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
 }
 
 // NCCLDataType maps a torch dtype name to the NCCL type a vLLM worker

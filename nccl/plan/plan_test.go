@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/safetensors"
 )
 
@@ -250,8 +251,8 @@ func TestNonPacked(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []Broadcast{
-		{0, Bfloat16, 6, 12}, {1, Float32, 1, 4}, {2, Int64, 0, 0}, {3, Uint8, 5, 5},
-		{4, Int8, 1, 1}, {5, Int32, 2, 8}, {6, Float16, 3, 6}, {7, Float64, 1, 8},
+		{0, nccl.Bfloat16, 6, 12}, {1, nccl.Float32, 1, 4}, {2, nccl.Int64, 0, 0}, {3, nccl.Uint8, 5, 5},
+		{4, nccl.Int8, 1, 1}, {5, nccl.Int32, 2, 8}, {6, nccl.Float16, 3, 6}, {7, nccl.Float64, 1, 8},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("NonPacked = %+v", got)
@@ -266,13 +267,13 @@ func TestNonPacked(t *testing.T) {
 		t.Error("ragged size accepted")
 	}
 	// The enum values are nccl.h's.
-	enum := map[DataType]int{Int8: 0, Uint8: 1, Int32: 2, Uint32: 3, Int64: 4, Uint64: 5, Float16: 6, Float32: 7, Float64: 8, Bfloat16: 9}
+	enum := map[DataType]int{nccl.Int8: 0, nccl.Uint8: 1, nccl.Int32: 2, nccl.Uint32: 3, nccl.Int64: 4, nccl.Uint64: 5, nccl.Float16: 6, nccl.Float32: 7, nccl.Float64: 8, nccl.Bfloat16: 9}
 	for d, v := range enum {
 		if int(d) != v {
 			t.Errorf("%v = %d, want %d", d, int(d), v)
 		}
 	}
-	if Bfloat16.String() != "ncclBfloat16" || DataType(42).String() != "ncclDataType(42)" {
+	if nccl.Bfloat16.String() != "ncclBfloat16" || DataType(42).String() != "ncclDataType(42)" {
 		t.Error("String")
 	}
 }

@@ -83,7 +83,7 @@ func Plan(tensors []safetensors.TensorInfo, packed bool, threshold int64, wire f
 		}
 		for _, b := range bs {
 			u.Chunks = append(u.Chunks, Chunk{Pieces: []Piece{piece(b.Tensor, 0)}, Bytes: b.Size,
-				DType: nccl.DataType(b.DType), Count: int(b.Count)})
+				DType: b.DType, Count: int(b.Count)})
 		}
 	}
 	if err := check(u.Chunks); err != nil {
