@@ -14,6 +14,7 @@ import (
 
 	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/internal/devtest"
+	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/launch"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
@@ -152,14 +153,6 @@ func TestRLHFDemoFailedBroadcastLeavesDoublesResumed(t *testing.T) {
 	assert.GreaterOrEqual(t, bad.Stats().Faults["error"], 1)
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 // `rlflow dev --exit` (what `make demo ARGS=--exit` runs): its own dev
 // server, worker and double, the RLHF demo for 3 iterations, the samples
 // and scores printed per iteration, exit status 0.
@@ -175,7 +168,7 @@ func TestDevRunsTheRLHFDemo(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin, "dev", "--exit", "--no-build", "--temporal", temporal,
-		"--address", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--ui-port", fmt.Sprint(freePort(t)), "--state-dir", t.TempDir())
+		"--address", fmt.Sprintf("127.0.0.1:%d", gputest.FreePort(t)), "--ui-port", fmt.Sprint(gputest.FreePort(t)), "--state-dir", t.TempDir())
 	out, err := cmd.CombinedOutput()
 	t.Logf("rlflow dev output:\n%s", out)
 	require.NoError(t, err)
