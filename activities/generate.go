@@ -70,11 +70,16 @@ type GenerateProgress struct {
 // Rollout is one line of generate's output (and, with Answer and Score, of
 // evaluate's): one sample of one prompt.
 type Rollout struct {
-	PromptID     string `json:"prompt_id"`
-	Sample       int    `json:"sample"`
-	Text         string `json:"text"`
-	FinishReason string `json:"finish_reason"`
-	PromptTokens int    `json:"prompt_tokens"`
+	PromptID string `json:"prompt_id"`
+	// Prompt is a plain prompt's text and Messages a chat prompt's
+	// conversation, as the prompts file gave them: a rollouts file is a
+	// training set by itself, without the prompts file beside it.
+	Prompt       *string       `json:"prompt,omitempty"`
+	Messages     []ChatMessage `json:"messages,omitempty"`
+	Sample       int           `json:"sample"`
+	Text         string        `json:"text"`
+	FinishReason string        `json:"finish_reason"`
+	PromptTokens int           `json:"prompt_tokens"`
 	// CompletionTokens is exact: every sample is its own request (n=1), so
 	// the server's usage counts this sample alone.
 	CompletionTokens int       `json:"completion_tokens"`
@@ -85,6 +90,12 @@ type Rollout struct {
 	Answer   json.RawMessage `json:"answer,omitempty"`
 	Score    *float64        `json:"score,omitempty"`
 	Unparsed bool            `json:"unparsed,omitempty"` // judge: no score in the reply
+}
+
+// ChatMessage is one message of a chat prompt in a rollout row.
+type ChatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
 }
 
 // Logprob is one generated token's log-probability and top alternatives.
@@ -468,6 +479,15 @@ func (g *genRun) rollout(p *prompt, k, si int, res *vllm.Result) Rollout {
 	r := Rollout{PromptID: p.id, Sample: k, Text: ch.Text, FinishReason: ch.FinishReason,
 		PromptTokens: res.Usage.PromptTokens, CompletionTokens: res.Usage.CompletionTokens,
 		WeightVersion: g.version(si), Server: g.fleet[si].URL(), Answer: p.answer}
+	if p.messages != nil {
+		r.Messages = make([]ChatMessage, len(p.messages))
+		for i, m := range p.messages {
+			r.Messages[i] = ChatMessage{Role: m.Role, Content: m.Content}
+		}
+	} else {
+		text := p.text
+		r.Prompt = &text
+	}
 	if g.in.Logprobs > 0 {
 		r.Logprobs = make([]Logprob, len(ch.Logprobs))
 		for i, lp := range ch.Logprobs {

@@ -42,6 +42,10 @@ func TestGenerateTwoServers(t *testing.T) {
 	var tokens int64
 	for i, r := range rows {
 		assert.Equal(t, fmt.Sprintf("p%d", i/3), r.PromptID, "prompt order")
+		if assert.NotNil(t, r.Prompt, "the row carries its prompt") {
+			assert.Equal(t, fmt.Sprintf("prompt number %d: ", i/3), *r.Prompt)
+		}
+		assert.Nil(t, r.Messages)
 		assert.Equal(t, i%3, r.Sample)
 		assert.NotEmpty(t, r.FinishReason)
 		assert.Equal(t, len(fmt.Sprintf("prompt number %d: ", i/3)), r.PromptTokens)
@@ -115,6 +119,13 @@ func TestGenerateChatAndImplicitIDs(t *testing.T) {
 	require.Len(t, rows, 2)
 	assert.Equal(t, "1", rows[0].PromptID, "no id: the line number")
 	assert.Equal(t, "42", rows[1].PromptID)
+	// Each row carries its prompt as the prompts file gave it.
+	assert.Nil(t, rows[0].Prompt)
+	assert.Equal(t, []ChatMessage{{Role: "system", Content: "be brief"}, {Role: "user", Content: "hello"}}, rows[0].Messages)
+	if assert.NotNil(t, rows[1].Prompt) {
+		assert.Equal(t, "plain", *rows[1].Prompt)
+	}
+	assert.Nil(t, rows[1].Messages)
 	assert.Equal(t, len("be brief\nhello\n"), rows[0].PromptTokens, "the double's chat template")
 	assert.Len(t, rows[0].Logprobs, rows[0].CompletionTokens)
 	st := d.Stats()

@@ -56,14 +56,14 @@ func validateScorer(with map[string]any) map[string]string {
 func init() {
 	RegisterStepType(&StepType{
 		Name:         StepGenerate,
-		Doc:          "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically.",
+		Doc:          "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically, one line per sample in prompt order: {prompt_id, prompt (plain) or messages (chat) as in the prompts file, sample, text, finish_reason, prompt_tokens, completion_tokens, logprobs (with logprobs > 0: [{token, logprob, top}]), weight_version, server}.",
 		Args:         samplingArgs,
 		Outputs:      []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version", "resumed"},
 		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
 		Name: StepEvaluate,
-		Doc:  "Generates from an eval set (prompts JSONL whose lines carry an \"answer\") and scores every sample with the scorer; writes a per-sample JSONL.",
+		Doc:  "Generates from an eval set (prompts JSONL whose lines carry an \"answer\") and scores every sample with the scorer; writes a per-sample JSONL: generate's lines plus answer, score (and unparsed for a judge reply without a score).",
 		Args: append(append([]ArgSpec(nil), samplingArgs...),
 			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "{type: exact_match|contains|regex|numeric|http|judge, ...}: exact_match and contains (ignore_case), regex (pattern; its first capture group is compared with the answer, or any match scores 1), numeric (the last number in the text vs the answer, tolerance), http (url, api_key_env, concurrency, timeout: POSTs {prompt, completion, answer, id}, wants {\"score\": number}), judge (rubric with {prompt} {completion} {answer}, scale, model, max_tokens, url, api_key_env, concurrency, timeout: a reply without a number in [0, scale] scores 0 and counts in unparsed)"},
 		),

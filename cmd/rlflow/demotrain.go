@@ -18,7 +18,7 @@ func newDemoTrainCmd() *cobra.Command {
 pipelines/examples/rlhf-demo.yaml. It is not a trainer for real models: it
 updates the character bigram table that the vLLM test double serves.
 
-One step: every rollout (a generate step's JSONL, joined with --prompts) is scored against the
+One step: every rollout (a generate step's JSONL; each row carries its prompt) is scored against the
 corpus' bigram statistics; the logits move by --lr toward the corpus' bigram
 log-frequencies and along the reward-weighted log-likelihood gradient of the
 rollouts. The result is written atomically to OUT/model.safetensors, and
@@ -46,13 +46,13 @@ untrained model the double serves when started without --model.`,
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.Rollouts, "rollouts", "", "rollouts JSONL written by a generate step (required)")
-	fl.StringVar(&f.Prompts, "prompts", "", "the prompts JSONL the rollouts came from (required)")
+	fl.StringVar(&f.Prompts, "prompts", "", "the prompts JSONL the rollouts came from, for rows without their own \"prompt\" (optional)")
 	fl.StringVar(&f.Init, "init", "", "checkpoint to start from, or random:SEED (required)")
 	fl.StringVar(&f.Corpus, "corpus", "", "text corpus, one text per line (required)")
 	fl.StringVar(&f.Out, "out", "", "checkpoint directory to write (required)")
 	fl.Float64Var(&o.LR, "lr", demotrain.DefaultLR, "learning rate, 0 < lr <= 1")
 	fl.Float64Var(&o.RewardWeight, "reward-weight", demotrain.DefaultRewardWeight, "weight of the rollouts' reward term against the corpus term (0 = off)")
-	for _, name := range []string{"rollouts", "prompts", "init", "corpus", "out"} {
+	for _, name := range []string{"rollouts", "init", "corpus", "out"} {
 		_ = cmd.MarkFlagRequired(name)
 	}
 	return cmd

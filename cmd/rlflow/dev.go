@@ -111,7 +111,7 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				return fmt.Errorf("starting worker: %w", err)
 			}
 			defer w.Stop()
-			sum := &demoSummary{spec: spec, out: out}
+			sum := &demoSummary{out: out}
 			runErr := startAndFollowWith(ctx, c, g, spec, values, "", ui, true, out, sum.iteration)
 			sum.finish()
 			if exit || ctx.Err() != nil {

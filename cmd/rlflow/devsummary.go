@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"io"
-	"path/filepath"
 	"strings"
 
 	"github.com/rlflow/rlflow/internal/demotrain"
@@ -15,7 +14,6 @@ import (
 // generate step (the demo's before/after text) and each evaluate step's
 // score, and at the end the scores of every iteration.
 type demoSummary struct {
-	spec   *pipelines.Pipeline
 	out    io.Writer
 	scores []string
 }
@@ -45,23 +43,14 @@ func (d *demoSummary) iteration(ir workflows.IterationResult) {
 	}
 }
 
-// samples reads one rollout of each of the first prompts of a generate step, joined with their
-// prompts; a problem is shown in place of the samples.
+// samples reads one rollout of each of the first prompts of a generate step (each row carries
+// its prompt); a problem is shown in place of the samples.
 func (d *demoSummary) samples(s workflows.StepResult) []string {
 	path, _ := s.Outputs["path"].(string)
-	step, ok := d.spec.StepByID(s.ID)
-	prompts, _ := step.With["prompts"].(string)
-	if !ok || path == "" || prompts == "" || strings.Contains(prompts, "${{") {
+	if path == "" {
 		return nil
 	}
-	if !filepath.IsAbs(prompts) {
-		prompts = filepath.Join(d.spec.BaseDir, prompts)
-	}
-	ps, err := demotrain.ReadPrompts(prompts)
-	if err != nil {
-		return []string{fmt.Sprintf("(samples unavailable: %v)", err)}
-	}
-	rs, err := demotrain.ReadRollouts(path, ps)
+	rs, err := demotrain.ReadRollouts(path, nil)
 	if err != nil {
 		return []string{fmt.Sprintf("(samples unavailable: %v)", err)}
 	}

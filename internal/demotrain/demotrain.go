@@ -326,20 +326,34 @@ func ReadPrompts(path string) (map[string]string, error) {
 }
 
 // ReadRollouts reads a rollouts JSONL file as the generate step writes it,
-// one sample per line ({"prompt_id", "text", ...}), and joins each sample
-// with its prompt's text.
+// one sample per line ({"prompt_id", "prompt", "text", ...}), and pairs
+// each sample with its prompt: the row's own "prompt", else prompts'
+// entry for its prompt_id (rollouts written before rows carried their
+// prompt). prompts may be nil.
 func ReadRollouts(path string, prompts map[string]string) ([]Rollout, error) {
 	var out []Rollout
 	err := eachLine(path, func(n int, b []byte) error {
 		var l struct {
-			PromptID *string `json:"prompt_id"`
-			Text     *string `json:"text"`
+			PromptID *string         `json:"prompt_id"`
+			Prompt   *string         `json:"prompt"`
+			Messages json.RawMessage `json:"messages"`
+			Text     *string         `json:"text"`
 		}
 		if err := json.Unmarshal(b, &l); err != nil {
 			return fmt.Errorf("not a JSON object: %w", err)
 		}
 		if l.PromptID == nil || l.Text == nil {
 			return errors.New(`want "prompt_id" and "text" strings`)
+		}
+		if l.Prompt != nil {
+			out = append(out, Rollout{Prompt: *l.Prompt, Text: *l.Text})
+			return nil
+		}
+		if len(l.Messages) > 0 && string(l.Messages) != "null" {
+			return errors.New(`a chat rollout ("messages"): the demo trainer takes plain prompts`)
+		}
+		if prompts == nil {
+			return fmt.Errorf("prompt_id %q: the row has no \"prompt\" and no prompts file was given", *l.PromptID)
 		}
 		p, ok := prompts[*l.PromptID]
 		if !ok {
@@ -388,7 +402,7 @@ func eachLine(path string, f func(n int, b []byte) error) error {
 type Files struct {
 	Init     string // checkpoint or random:SEED (see LoadInit)
 	Rollouts string // rollouts JSONL (generate's output)
-	Prompts  string // the prompts JSONL the rollouts were generated from
+	Prompts  string // the prompts JSONL the rollouts came from; "": the rows' own prompts
 	Corpus   string // text corpus, one text per line
 	Out      string // checkpoint directory to write
 }
@@ -411,9 +425,11 @@ func Run(f Files, o Options) (*Result, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	ps, err := ReadPrompts(f.Prompts)
-	if err != nil {
-		return nil, "", err
+	var ps map[string]string
+	if f.Prompts != "" {
+		if ps, err = ReadPrompts(f.Prompts); err != nil {
+			return nil, "", err
+		}
 	}
 	rs, err := ReadRollouts(f.Rollouts, ps)
 	if err != nil {

@@ -157,11 +157,19 @@ func TestBadInputsNameThePlace(t *testing.T) {
 		"{\"prompt_id\": \"a\", \"text\": \"b\"}\nnot json\n": "bad.jsonl:2: not a JSON object",
 		"{\"prompt_id\": \"a\"}\n":                            "bad.jsonl:1: want \"prompt_id\" and \"text\"",
 		"{\"prompt_id\": \"z\", \"text\": \"b\"}\n":           `bad.jsonl:1: prompt_id "z" is not in the prompts file`,
+		"{\"prompt_id\": \"a\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"text\": \"b\"}\n": `bad.jsonl:1: a chat rollout ("messages")`,
 		"\n\n": "bad.jsonl: no samples",
 	} {
 		_, err := ReadRollouts(write("bad.jsonl", text), ps)
 		assert.ErrorContains(t, err, want)
 	}
+	// Rows that carry their prompt need no prompts file; rows that do not,
+	// without one, say so.
+	got0, err := ReadRollouts(write("own.jsonl", "{\"prompt_id\": \"q\", \"prompt\": \"\", \"text\": \"b\"}\n{\"prompt_id\": \"a\", \"prompt\": \"the \", \"text\": \"c\"}\n"), nil)
+	require.NoError(t, err)
+	assert.Equal(t, []Rollout{{Prompt: "", Text: "b"}, {Prompt: "the ", Text: "c"}}, got0)
+	_, err = ReadRollouts(write("bare.jsonl", "{\"prompt_id\": \"a\", \"text\": \"b\"}\n"), nil)
+	assert.ErrorContains(t, err, `bare.jsonl:1: prompt_id "a": the row has no "prompt" and no prompts file was given`)
 	for text, want := range map[string]string{
 		"{\"messages\": []}\n":               `p.jsonl:1: no "prompt"`,
 		"\n{\"id\": [1], \"prompt\": \"x\"}": "p.jsonl:2: id must be",
