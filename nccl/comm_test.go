@@ -244,23 +244,39 @@ func TestBroadcastDeadlineAbortsAndPoisons(t *testing.T) {
 	checkOneThread(t, f.Calls())
 }
 
-func TestAsyncErrorAborts(t *testing.T) {
+// commWith8Bytes is rank 0 of 2 on a Fake with virtual peers and an
+// 8-byte device buffer, both released when the test ends.
+func commWith8Bytes(t *testing.T) (*Fake, *Comm, DevPtr) {
+	t.Helper()
 	f := NewFake(FakeConfig{VirtualPeers: true})
 	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close(context.Background())
 	p := fill(t, c, make([]byte, 8))
-	defer free(t, c, p)
+	t.Cleanup(func() {
+		free(t, c, p)
+		c.Close(context.Background())
+	})
+	return f, c, p
+}
+
+// remoteErrorOnBroadcasts makes every broadcast raise ncclRemoteError
+// asynchronously after 10ms and stay stuck, as a dead peer does.
+func remoteErrorOnBroadcasts(f *Fake) {
 	f.OnCollective(func(c Call) Fault {
 		if c.Op == "Broadcast" {
 			return Fault{Err: RemoteError, Delay: 10 * time.Millisecond}
 		}
 		return Fault{}
 	})
+}
+
+func TestAsyncErrorAborts(t *testing.T) {
+	f, c, p := commWith8Bytes(t)
+	remoteErrorOnBroadcasts(f)
 	// No deadline: only the asynchronous error can end this wait.
-	err = c.Broadcast(context.Background(), p, 8, Uint8)
+	err := c.Broadcast(context.Background(), p, 8, Uint8)
 	if !errors.Is(err, ErrAborted) || !errors.Is(err, RemoteError) {
 		t.Fatalf("got %v, want ErrAborted wrapping ncclRemoteError", err)
 	}
@@ -443,14 +459,7 @@ func TestPeerAbortIsRemoteError(t *testing.T) {
 // EventDone polls without holding the actor and surfaces the asynchronous
 // error of a broadcast that cannot finish, aborting the communicator.
 func TestEventDoneSeesAsyncError(t *testing.T) {
-	f := NewFake(FakeConfig{VirtualPeers: true})
-	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close(context.Background())
-	p := fill(t, c, make([]byte, 8))
-	defer free(t, c, p)
+	f, c, p := commWith8Bytes(t)
 	var done Event
 	if err := c.Device().Do(context.Background(), func(api API) error {
 		var err error
@@ -475,12 +484,7 @@ func TestEventDoneSeesAsyncError(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	// A broadcast whose peer died: EventDone fails with the remote error.
-	f.OnCollective(func(c Call) Fault {
-		if c.Op == "Broadcast" {
-			return Fault{Err: RemoteError, Delay: 10 * time.Millisecond}
-		}
-		return Fault{}
-	})
+	remoteErrorOnBroadcasts(f)
 	if err := c.BroadcastAsync(context.Background(), p, 8, Uint8, Order{Done: done}); err != nil {
 		t.Fatal(err)
 	}
