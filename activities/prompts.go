@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/rlflow/rlflow/internal/jsonscalar"
 	"github.com/rlflow/rlflow/vllm"
 )
 
@@ -95,8 +96,8 @@ func parsePrompt(b []byte, line int, wantAnswer bool) (prompt, error) {
 		return p, fmt.Errorf("not a JSON object: %v", err)
 	}
 	if raw, ok := obj["id"]; ok && !isNullJSON(raw) {
-		id, err := scalarText(raw)
-		if err != nil || id == "" {
+		id, ok := jsonscalar.Text(raw)
+		if !ok || id == "" {
 			return p, fmt.Errorf("id must be a non-empty string or a number, got %s", clipJSON(raw))
 		}
 		p.id = id
@@ -138,25 +139,12 @@ func parsePrompt(b []byte, line int, wantAnswer bool) (prompt, error) {
 		if !ok || isNullJSON(raw) {
 			return p, fmt.Errorf("has no \"answer\" (an eval set needs one per line)")
 		}
-		if _, err := scalarText(raw); err != nil {
+		if _, ok := jsonscalar.Text(raw); !ok {
 			return p, fmt.Errorf("answer must be a string or a number, got %s", clipJSON(raw))
 		}
 		p.answer = append(json.RawMessage(nil), raw...)
 	}
 	return p, nil
-}
-
-// scalarText returns a JSON string's value or a JSON number's text.
-func scalarText(raw json.RawMessage) (string, error) {
-	var s string
-	if json.Unmarshal(raw, &s) == nil {
-		return s, nil
-	}
-	var n json.Number
-	if json.Unmarshal(raw, &n) == nil {
-		return n.String(), nil
-	}
-	return "", fmt.Errorf("not a string or number")
 }
 
 func isNullJSON(raw json.RawMessage) bool { return len(raw) == 0 || string(raw) == "null" }

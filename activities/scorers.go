@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/jsonscalar"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )
@@ -73,7 +74,7 @@ func boolScore(ok bool) *float64 {
 
 // answerText is a sample's answer as text (a JSON number's digits).
 func answerText(p *prompt) string {
-	s, _ := scalarText(p.answer)
+	s, _ := jsonscalar.Text(p.answer)
 	return s
 }
 

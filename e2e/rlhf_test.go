@@ -2,10 +2,8 @@ package e2e
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -47,14 +45,7 @@ func startDouble(t *testing.T, faults double.Faults) *rlhfDouble {
 // isPaused asks the double over HTTP, as a client would.
 func (d *rlhfDouble) isPaused(t *testing.T) bool {
 	t.Helper()
-	resp, err := http.Get(d.URL + "/is_paused")
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	var body struct {
-		IsPaused bool `json:"is_paused"`
-	}
-	require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-	return body.IsPaused
+	return isPaused(t, d.URL)
 }
 
 // runDemo runs pipelines/examples/rlhf-demo.yaml for the given iterations

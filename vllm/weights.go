@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"path/filepath"
+
+	"github.com/rlflow/rlflow/internal/jsonscalar"
 )
 
 // InitInfo is the trainer's side of init_weight_transfer_engine. Which
@@ -307,13 +309,8 @@ func (c *Client) WeightInfo(ctx context.Context) (string, error) {
 	if string(raw) == "null" {
 		return "", nil
 	}
-	var s string
-	if json.Unmarshal(raw, &s) == nil {
+	if s, ok := jsonscalar.Text(raw); ok {
 		return s, nil
-	}
-	var n json.Number
-	if json.Unmarshal(raw, &n) == nil {
-		return n.String(), nil
 	}
 	return "", c.errorf(cl, http.StatusOK, nil, "weight_version %s is neither a string nor a number", clip(string(raw)))
 }

@@ -26,13 +26,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 
+	"github.com/rlflow/rlflow/internal/jsonscalar"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 
@@ -55,19 +55,8 @@ func NewCorpus(text string) (*Corpus, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Corpus{counts: make([]float64, v*v), target: m.Logits()}
-	for line := range strings.SplitSeq(text, "\n") {
-		line = strings.TrimRight(line, "\r")
-		if strings.TrimSpace(line) == "" {
-			continue
-		}
-		prev := byte(bigram.EOS)
-		for _, t := range bigram.Tokenize(line) {
-			c.counts[int(prev)*v+int(t)]++
-			prev = t
-		}
-		c.counts[int(prev)*v+bigram.EOS]++
-	}
+	counts, _ := bigram.Counts(text)
+	c := &Corpus{counts: counts, target: m.Logits()}
 	for _, n := range c.counts {
 		c.total += n
 	}
@@ -76,19 +65,11 @@ func NewCorpus(text string) (*Corpus, error) {
 
 // LoadCorpus reads a corpus file (at most MaxCorpusBytes).
 func LoadCorpus(path string) (*Corpus, error) {
-	f, err := os.Open(path)
+	text, err := bigram.ReadCorpus(path)
 	if err != nil {
-		return nil, fmt.Errorf("corpus: %w", err)
+		return nil, err
 	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, MaxCorpusBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("corpus %s: %w", path, err)
-	}
-	if len(b) > MaxCorpusBytes {
-		return nil, fmt.Errorf("corpus %s: larger than %d bytes", path, MaxCorpusBytes)
-	}
-	c, err := NewCorpus(string(b))
+	c, err := NewCorpus(text)
 	if err != nil {
 		return nil, fmt.Errorf("corpus %s: %w", path, err)
 	}
@@ -306,13 +287,9 @@ func ReadPrompts(path string) (map[string]string, error) {
 		}
 		id := strconv.Itoa(n)
 		if len(l.ID) > 0 && string(l.ID) != "null" {
-			var s string
-			if json.Unmarshal(l.ID, &s) != nil {
-				var num json.Number
-				if json.Unmarshal(l.ID, &num) != nil {
-					return fmt.Errorf("id must be a string or a number, got %s", l.ID)
-				}
-				s = num.String()
+			s, ok := jsonscalar.Text(l.ID)
+			if !ok {
+				return fmt.Errorf("id must be a string or a number, got %s", l.ID)
 			}
 			id = s
 		}

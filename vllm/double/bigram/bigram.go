@@ -105,21 +105,7 @@ func Train(corpus string, opts TrainOptions) (*Model, error) {
 	if alpha < 0 || math.IsNaN(alpha) || math.IsInf(alpha, 0) {
 		return nil, fmt.Errorf("bigram: smoothing %v, want a positive finite value", opts.Smoothing)
 	}
-	counts := make([]float64, Vocab*Vocab)
-	texts := 0
-	for line := range strings.SplitSeq(corpus, "\n") {
-		line = strings.TrimRight(line, "\r")
-		if strings.TrimSpace(line) == "" {
-			continue
-		}
-		texts++
-		prev := byte(EOS)
-		for _, t := range Tokenize(line) {
-			counts[int(prev)*Vocab+int(t)]++
-			prev = t
-		}
-		counts[int(prev)*Vocab+EOS]++
-	}
+	counts, texts := Counts(corpus)
 	if texts == 0 {
 		return nil, errors.New("bigram: corpus has no non-empty line to train on")
 	}
@@ -141,6 +127,28 @@ func Train(corpus string, opts TrainOptions) (*Model, error) {
 		}
 	}
 	return &Model{logits: l}, nil
+}
+
+// Counts is the corpus' transition counts, [prev*Vocab+next], the way Train
+// sees them: every non-empty line is one text, EOS -> line bytes -> EOS. It
+// also returns the number of texts.
+func Counts(corpus string) ([]float64, int) {
+	counts := make([]float64, Vocab*Vocab)
+	texts := 0
+	for line := range strings.SplitSeq(corpus, "\n") {
+		line = strings.TrimRight(line, "\r")
+		if strings.TrimSpace(line) == "" {
+			continue
+		}
+		texts++
+		prev := byte(EOS)
+		for _, t := range Tokenize(line) {
+			counts[int(prev)*Vocab+int(t)]++
+			prev = t
+		}
+		counts[int(prev)*Vocab+EOS]++
+	}
+	return counts, texts
 }
 
 // Tokenize maps text to tokens, one per byte; bytes outside ASCII and NUL

@@ -89,23 +89,33 @@ func (m *Model) Save(path string) error {
 // MaxCorpusBytes bounds what TrainFile reads.
 const MaxCorpusBytes = 256 << 20
 
+// ReadCorpus reads a corpus file of at most MaxCorpusBytes; errors name
+// the file.
+func ReadCorpus(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", fmt.Errorf("corpus: %w", err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, MaxCorpusBytes+1))
+	if err != nil {
+		return "", fmt.Errorf("corpus %s: %w", path, err)
+	}
+	if len(b) > MaxCorpusBytes {
+		return "", fmt.Errorf("corpus %s: larger than %d bytes", path, MaxCorpusBytes)
+	}
+	return string(b), nil
+}
+
 // TrainFile is the demo trainer's step: it fits a model to the text in
 // corpusPath and saves it at out (a .safetensors file; a directory is
 // created for it if needed, so out may be a checkpoint directory's file).
 func TrainFile(corpusPath, out string, opts TrainOptions) (*Model, error) {
-	f, err := os.Open(corpusPath)
+	text, err := ReadCorpus(corpusPath)
 	if err != nil {
-		return nil, fmt.Errorf("bigram: read corpus: %w", err)
+		return nil, fmt.Errorf("bigram: %w", err)
 	}
-	defer f.Close()
-	text, err := io.ReadAll(io.LimitReader(f, MaxCorpusBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("bigram: read corpus: %w", err)
-	}
-	if len(text) > MaxCorpusBytes {
-		return nil, fmt.Errorf("bigram: corpus %s exceeds %d bytes", corpusPath, MaxCorpusBytes)
-	}
-	m, err := Train(string(text), opts)
+	m, err := Train(text, opts)
 	if err != nil {
 		return nil, fmt.Errorf("bigram: corpus %s: %w", corpusPath, err)
 	}
