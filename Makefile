@@ -29,16 +29,16 @@ vet:
 
 # Two minutes per fuzz target (the acceptance run).
 fuzz:
-	$(GO) test -run XXX -fuzz FuzzLoad -fuzztime 2m ./pipelines/
+	$(GO) test -run '^$$' -fuzz FuzzLoad -fuzztime 2m ./pipelines/
 
 # Orchestration overhead on the dev server, against in-process baselines.
 bench: $(TEMPORAL)
-	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run XXX -bench . -benchtime 1x -timeout 20m ./bench/
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 20m ./bench/
 
 # The generate step against the vLLM double (50 ms per sequence, 256 slots):
 # 2,000 prompts vs one-at-a-time calls and vs an ideal Go client. No Temporal.
 bench-generate:
-	$(GO) test -run XXX -bench Generate2000 -benchtime 1x -timeout 10m ./bench/
+	$(GO) test -run '^$$' -bench Generate2000 -benchtime 1x -timeout 10m ./bench/
 
 compose-check:
 	docker-compose config -q

@@ -1,7 +1,7 @@
 // Package bench measures rlflow's orchestration overhead on a real Temporal
 // dev server, each figure against a baseline measured in the same run:
 //
-//	make bench    (go test -run XXX -bench . -benchtime 1x ./bench/)
+//	make bench    (go test -run '^$' -bench . -benchtime 1x ./bench/)
 package bench
 
 import (

@@ -207,8 +207,8 @@ steps:
     always: true
 `
 
-// requireGPUWorkerCommand skips unless this rlflow build has the GPU worker
-// (rlflow worker --gpu), which lands separately from the routing.
+// requireGPUWorkerCommand fails unless this rlflow build has the GPU worker
+// (rlflow worker --gpu).
 func requireGPUWorkerCommand(t *testing.T, bin string) {
 	t.Helper()
 	out, err := exec.Command(bin, "worker", "--help").CombinedOutput()

@@ -584,7 +584,7 @@ func TestGPUPeerNeverJoins(t *testing.T) {
 // its own NCCL_HOSTID, spread puts rank r on GPU r with none.
 func TestPlacedReceivers(t *testing.T) {
 	if _, err := exec.LookPath("python3"); err != nil {
-		t.Skip("python3 not found")
+		t.Skip("python3 not on PATH: this test runs the GPU tests' Python scripts (tests/gpu); .ci/run installs it")
 	}
 	t.Setenv("RLFLOW_GPU_LOGS", t.TempDir())
 	t.Setenv("NCCL_HOSTID", "")

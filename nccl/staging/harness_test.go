@@ -16,7 +16,7 @@ import (
 func TestReceiverPlansOurLayout(t *testing.T) {
 	py, err := exec.LookPath("python3")
 	if err != nil {
-		t.Skip("python3 not found")
+		t.Skip("python3 not on PATH: this test runs the GPU tests' Python scripts (tests/gpu); .ci/run installs it")
 	}
 	script := scriptPath(t, "receiver.py")
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
@@ -54,7 +54,7 @@ func TestReceiverPlansOurLayout(t *testing.T) {
 // The process helpers of the GPU tests, with a stand-in script.
 func TestProcessHarness(t *testing.T) {
 	if _, err := exec.LookPath("python3"); err != nil {
-		t.Skip("python3 not found")
+		t.Skip("python3 not on PATH: this test runs the GPU tests' Python scripts (tests/gpu); .ci/run installs it")
 	}
 	t.Setenv("RLFLOW_GPU_LOGS", t.TempDir())
 	script := filepath.Join(t.TempDir(), "fake.py")
