@@ -78,6 +78,7 @@ func TestStageModesByteExact(t *testing.T) {
 			for _, opts := range []Options{
 				{Mode: ModeCopy, WindowBytes: -1, CopyWorkers: 3, SplitBytes: 1000},
 				{Mode: ModeCopy, WindowBytes: 1000, CopyWorkers: 3},
+				{Mode: ModeCopy, WindowBytes: 500, PinnedBytes: 1500, CopyWorkers: 4, SplitBytes: 300},
 				{Mode: ModeCopy, WindowBytes: 777, CopyWorkers: 2, PrefaultWorkers: 2, RegisterSegmentBytes: pg},
 				{Mode: ModeCopy, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined},
 				{Mode: ModeRegister, RegisterSegmentBytes: pg, WindowBytes: 3000, RegisterWorkers: 3},
@@ -87,7 +88,7 @@ func TestStageModesByteExact(t *testing.T) {
 				{Mode: ModeRegister, CopyFraction: 0.4, RegisterSegmentBytes: pg, WindowBytes: 2000, CopyWorkers: 2},
 				{Mode: ModeRegister, CopyFraction: 1, RegisterSegmentBytes: pg},
 			} {
-				name := fmt.Sprintf("packed=%v/bf16=%v/%v-w%d-seg%d-pf%d-%v-copy%.1f", packed, toBF16, opts.Mode, opts.WindowBytes, opts.RegisterSegmentBytes, opts.PrefaultWorkers, opts.Unregister, opts.CopyFraction)
+				name := fmt.Sprintf("packed=%v/bf16=%v/%v-w%d-p%d-seg%d-pf%d-%v-copy%.1f", packed, toBF16, opts.Mode, opts.WindowBytes, opts.PinnedBytes, opts.RegisterSegmentBytes, opts.PrefaultWorkers, opts.Unregister, opts.CopyFraction)
 				t.Run(name, func(t *testing.T) {
 					f := nccl.NewFake(nccl.FakeConfig{OpDelay: 50 * time.Microsecond})
 					var regs atomic.Int64
