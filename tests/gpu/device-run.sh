@@ -11,7 +11,8 @@
 #   4. the GPU worker SIGKILLed mid-broadcast on a real dev server.
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
-# sweep's RLFLOW_STAGE_CONFIGS); T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
+# sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 3);
+# T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
 set -o pipefail
 for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
 	xz -dc .carry/$b.xz > /tmp/$b && chmod +x /tmp/$b || exit 2
@@ -20,7 +21,9 @@ done
 # to connect ("Mismatched NCCL version").
 L=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
 export RLFLOW_NCCL_LIB=$L RECEIVER_NCCL_LIB=$L RLFLOW_GPU_LOGS=$PWD/gpu-logs
-export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w4M-128M|ring-w4M-128M-14workers|ring-w4M-64M|ring-w2M-32M|ring-w1M-32M|prev-w128M-2G|prev-chunk-2x1G)$'}
+# The default and the candidates that came close, in PASSES interleaved passes.
+export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w2M-64M|ring-w2M-128M|ring-w4M-128M|ring-w4M-64M-parts1M|ring-w4M-64M-parts2M|ring-w8M-64M-parts2M)$'}
+export RLFLOW_STAGE_PASSES=${PASSES:-3}
 mkdir -p "$RLFLOW_GPU_LOGS"
 R=$PWD
 rc=0
@@ -28,6 +31,13 @@ step() { # name, status
 	echo "$1 rc=$2"
 	[ "$2" = 0 ] || rc=1
 }
+
+# Which host this is: the staging figures depend on the CPU and its cache.
+{
+	lscpu | grep -E '^(Model name|Model:|CPU\(s\)|L3|NUMA node\(s\))'
+	echo "L3 per cpu0: $(cat /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null)"
+	nvidia-smi --query-gpu=name,pci.bus_id,driver_version --format=csv,noheader
+} | tee "$OUT/host.txt"
 
 cd "$R/nccl/staging" || exit 2
 timeout "${T_BENCH:-200}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run "${BENCH:-TestGPUBench}" > "$OUT/gpu-bench.log" 2>&1
