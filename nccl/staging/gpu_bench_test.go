@@ -118,6 +118,12 @@ func stageConfigs() []stageConfig {
 	return []stageConfig{
 		// DefaultOptions as they are: the reported figure.
 		pk("default", Options{}),
+		// Around the default (4 MiB slots, 64 MiB, 1 MiB parts): the slot
+		// size, the ring size and the part size one step either way.
+		ring("ring-w8M-64M-parts1M", Options{WindowBytes: 8 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M}),
+		ring("ring-w4M-48M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 48 * M, SplitBytes: 1 * M}),
+		ring("ring-w4M-96M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 96 * M, SplitBytes: 1 * M}),
+		ring("ring-w4M-64M-parts512K", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: M / 2}),
 		// A 128 MiB ring of 4 MiB pinned slots, one worker per slot, with
 		// GOMAXPROCS (at most 16, as the default), 14 and 12 copy workers:
 		// the best on a 300 MiB-L3 host, far worse on another.

@@ -70,12 +70,15 @@ var DefaultOptions = Options{
 	Mode:    ModeCopy,
 	Buffers: 2,
 	// CopyWorkers 0: GOMAXPROCS, at most 16 (see withDefaults).
-	SplitBytes: 8 << 20, // one job per window
-	// 32 slots of 2 MiB: 82-83% of the pinned ceiling on one H200 host
-	// (300 MiB L3), 78% on another, where 32 x 4 MiB fell to 52% (the
-	// ring no longer stays in cache) though it did 85-87% on the first.
-	// See nccl/GPU-RESULTS.md.
-	WindowBytes:          2 << 20,
+	// A 64 MiB ring of 4 MiB slots, each filled by four workers in 1 MiB
+	// parts: the best and steadiest candidate on the H200 host, 88-93% of
+	// the pinned ceiling in a quiet run where 2 MiB slots filled by one
+	// worker each did 81-88% (a 2 MiB copy by itself runs at 92% of the
+	// ceiling, a 4 MiB one at 96%). Rings of 128 MiB did as well there and
+	// far worse on another host. When other tenants load the host's
+	// memory, every candidate falls alike. See nccl/GPU-RESULTS.md.
+	SplitBytes:           1 << 20,
+	WindowBytes:          4 << 20,
 	PinnedBytes:          64 << 20,
 	HostAllocFlags:       nccl.HostAllocPortable,
 	RegisterSegmentBytes: 64 << 20,
@@ -101,11 +104,11 @@ type Options struct {
 	CopyWorkers int
 	// SplitBytes bounds one host-copy job: tensors are cut at element
 	// boundaries into parts of at most min(SplitBytes, WindowBytes) bytes
-	// (default 8 MiB: a default window is one worker's job, and the
-	// workers fill as many windows at once).
+	// (default 1 MiB: four workers fill a default window together, so a
+	// window is ready sooner after its slot is taken).
 	SplitBytes int64
 	// WindowBytes is the granularity of the host-to-device copies inside a
-	// chunk (default 2 MiB): the host copy fills pinned slots of this size
+	// chunk (default 4 MiB): the host copy fills pinned slots of this size
 	// and each is copied to the device as soon as it is filled (in
 	// ModeRegister, direct copies are issued in windows of this size as
 	// their segments are registered). Negative: one copy per chunk.

@@ -21,8 +21,9 @@ done
 # to connect ("Mismatched NCCL version").
 L=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
 export RLFLOW_NCCL_LIB=$L RECEIVER_NCCL_LIB=$L RLFLOW_GPU_LOGS=$PWD/gpu-logs
-# The default and the candidates that came close, in PASSES interleaved passes.
-export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w2M-64M|ring-w2M-128M|ring-w4M-128M|ring-w4M-64M-parts1M|ring-w4M-64M-parts2M|ring-w8M-64M-parts2M)$'}
+# The default, two neighbours, the previous default (2 MiB slots, one worker
+# each) and the 128 MiB ring, in PASSES interleaved passes.
+export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w8M-64M-parts1M|ring-w4M-48M-parts1M|ring-w2M-64M|ring-w4M-128M)$'}
 export RLFLOW_STAGE_PASSES=${PASSES:-3}
 mkdir -p "$RLFLOW_GPU_LOGS"
 R=$PWD
