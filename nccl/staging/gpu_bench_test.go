@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -277,28 +278,6 @@ func probeRegister(t *testing.T, dev *nccl.Device, path string) {
 	fmt.Printf("GPU-FIGURE stage probe madvise(MADV_POPULATE_READ, %d MiB, already faulted): %.1f ms\n", len(big)>>20, 1e3*time.Since(t0).Seconds())
 }
 
-func minOf(xs []float64) float64 {
-	if len(xs) == 0 {
-		return 0
-	}
-	m := xs[0]
-	for _, x := range xs[1:] {
-		m = min(m, x)
-	}
-	return m
-}
-
-func maxOf(xs []float64) float64 {
-	if len(xs) == 0 {
-		return 0
-	}
-	m := xs[0]
-	for _, x := range xs[1:] {
-		m = max(m, x)
-	}
-	return m
-}
-
 func median(xs []float64) float64 {
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
@@ -407,8 +386,15 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// error, a hang cut off by the per-run deadline, a wrong byte) is
 	// reported and the sweep goes on: one run of the binary must yield the
 	// figures of every other candidate.
-	fellBack := map[string]bool{} // by candidate: a ModeRegister run fell back
-	runConfig := func(c stageConfig) (fresh []float64, opts Options, err error) {
+	// What the passes gathered per candidate.
+	type tally struct {
+		fresh    []float64 // the fresh runs' GB/s, every pass
+		opts     Options   // as the pipeline resolved them
+		failed   bool      // a run failed: no more passes, no figure
+		fellBack bool      // a ModeRegister run fell back to the host copy
+	}
+	tallies := map[string]*tally{}
+	runConfig := func(c stageConfig, tl *tally) (fresh []float64, opts Options, err error) {
 		ck, err := safetensors.OpenCheckpoint(path)
 		if err != nil {
 			return nil, opts, err
@@ -433,7 +419,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 			}
 			t.Logf("%s %s: %v", c.name, pass, res)
 			if res.Fallback != "" {
-				fellBack[c.name] = true
+				tl.fellBack = true
 			}
 			return fig(c, pass, res), nil
 		}
@@ -475,9 +461,6 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// would carry whatever the drift was then. Each pass re-measures the
 	// ceiling too.
 	passes := max(gputest.EnvInt("RLFLOW_STAGE_PASSES", 1), 1)
-	fresh := map[string][]float64{}
-	lastOpts := map[string]Options{}
-	failed := map[string]bool{}
 	ceilings := []float64{ceiling}
 	for pass := 0; pass < passes; pass++ {
 		if pass > 0 {
@@ -486,38 +469,42 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 			fmt.Printf("GPU-FIGURE stage pass %d pinned ceiling: %.2f GB/s\n", pass+1, c)
 		}
 		for _, c := range configs {
-			if failed[c.name] {
+			tl := tallies[c.name]
+			if tl == nil {
+				tl = &tally{}
+				tallies[c.name] = tl
+			}
+			if tl.failed {
 				continue
 			}
 			if el := time.Since(sweepStart); el > budget {
 				fmt.Printf("GPU-FIGURE stage %-28s pass %d skipped: the sweep's %v budget is spent (RLFLOW_STAGE_BUDGET_S)\n", c.name, pass+1, budget)
 				continue
 			}
-			fs, opts, err := runConfig(c)
+			fs, opts, err := runConfig(c, tl)
 			if err != nil {
 				gputest.Verdict(t, false, "%s: %v", c.name, err)
-				failed[c.name] = true
+				tl.failed = true
 				continue
 			}
-			fresh[c.name] = append(fresh[c.name], fs...)
-			lastOpts[c.name] = opts
+			tl.fresh, tl.opts = append(tl.fresh, fs...), opts
 		}
 	}
 	// The ratio is against the median ceiling of the passes: one figure
 	// for the whole run, measured alongside.
 	ceiling = median(ceilings)
 	figure(t, "stage.pinned_h2d_ceiling_median_GBps", ceiling)
-	fmt.Printf("GPU-FIGURE stage pinned ceiling over %d passes: median %.2f GB/s (min %.2f, max %.2f)\n", passes, ceiling, minOf(ceilings), maxOf(ceilings))
+	fmt.Printf("GPU-FIGURE stage pinned ceiling over %d passes: median %.2f GB/s (min %.2f, max %.2f)\n", passes, ceiling, slices.Min(ceilings), slices.Max(ceilings))
 	for _, c := range configs {
-		fs, ok := fresh[c.name]
-		if !ok || failed[c.name] {
+		tl := tallies[c.name]
+		if tl == nil || tl.failed || len(tl.fresh) == 0 {
 			continue
 		}
-		m, opts := median(fs), lastOpts[c.name]
+		fs, m, opts := tl.fresh, median(tl.fresh), tl.opts
 		figure(t, fmt.Sprintf("stage.%s.median_fresh_GBps", c.name), m)
 		fmt.Printf("GPU-FIGURE stage %-28s MEDIAN   %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s (fresh mapping, %d runs over %d passes; min %.0f%%, max %.0f%%)\n",
-			c.name, m, 100*m/ceiling, ceiling, len(fs), passes, 100*minOf(fs)/ceiling, 100*maxOf(fs)/ceiling)
-		if fellBack[c.name] {
+			c.name, m, 100*m/ceiling, ceiling, len(fs), passes, 100*slices.Min(fs)/ceiling, 100*slices.Max(fs)/ceiling)
+		if tl.fellBack {
 			// It measured the copy path under a register name: not a
 			// candidate for the default.
 			fmt.Printf("GPU-FIGURE stage %-28s not eligible for BEST: registration fell back to the host copy\n", c.name)

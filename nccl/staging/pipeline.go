@@ -340,10 +340,10 @@ type Pipeline struct {
 	// Per slot: the start and end of each timed host-to-device copy window
 	// (one in timeEvery, see h2d; created as first needed), and for the
 	// slot's current chunk the windows issued, the windows timed, and the
-	// bytes of both.
-	wStart, wDone         [][]nccl.Event
-	used, timed           []int
-	usedBytes, timedBytes []int64
+	// bytes of the timed ones.
+	wStart, wDone [][]nccl.Event
+	used, timed   []int
+	timedBytes    []int64
 	// helpers are ModeRegister's registration threads: cudaHostRegister
 	// takes milliseconds per segment and must not hold up the actor that
 	// issues the copies.
@@ -399,7 +399,7 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 			}
 		}
 		p.wStart, p.wDone = make([][]nccl.Event, n), make([][]nccl.Event, n)
-		p.used, p.timed, p.usedBytes, p.timedBytes = make([]int, n), make([]int, n), make([]int64, n), make([]int64, n)
+		p.used, p.timed, p.timedBytes = make([]int, n), make([]int, n), make([]int64, n)
 		// The window events a chunk of bufferBytes needs, created now
 		// rather than during the first transfer (h2d still adds more if a
 		// layout needs them): a few microseconds each.
@@ -579,16 +579,16 @@ func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfe
 			}
 		}
 		p.used[slot]++
-		p.usedBytes[slot] += n
 		return nil
 	})
 	return done, err
 }
 
 // h2dTime estimates the GPU time of the host-to-device copies of slot's
-// last chunk from its timed windows, scaled to all its bytes (all complete:
-// the caller waited for the slot's h2dDone).
-func (p *Pipeline) h2dTime(ctx context.Context, dev *nccl.Device, slot int) time.Duration {
+// last chunk, of chunkBytes bytes (every one of them went through h2d),
+// from its timed windows (all complete: the caller waited for the slot's
+// h2dDone).
+func (p *Pipeline) h2dTime(ctx context.Context, dev *nccl.Device, slot int, chunkBytes int64) time.Duration {
 	var sum time.Duration
 	_ = dev.Do(ctx, func(api nccl.API) error {
 		for w := 0; w < p.timed[slot]; w++ {
@@ -601,7 +601,7 @@ func (p *Pipeline) h2dTime(ctx context.Context, dev *nccl.Device, slot int) time
 	if p.timedBytes[slot] <= 0 {
 		return sum
 	}
-	return time.Duration(float64(sum) * float64(p.usedBytes[slot]) / float64(p.timedBytes[slot]))
+	return time.Duration(float64(sum) * float64(chunkBytes) / float64(p.timedBytes[slot]))
 }
 
 // copyOut is what one host-copy range adds to the Result.
@@ -865,7 +865,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 			if err := wait(p.h2dDone[slot]); err != nil {
 				return res, fail("waiting for the host-to-device copy of chunk "+fmt.Sprint(k-n+1), err)
 			}
-			res.H2D += p.h2dTime(ctx, dev, slot)
+			res.H2D += p.h2dTime(ctx, dev, slot, chunks[k-n].Bytes)
 			if comm != nil {
 				// The device buffer is free once chunk k-n was broadcast;
 				// the GPU waits, the host goes on.
@@ -874,7 +874,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 				}
 			}
 		}
-		p.used[slot], p.timed[slot], p.usedBytes[slot], p.timedBytes[slot] = 0, 0, 0, 0
+		p.used[slot], p.timed[slot], p.timedBytes[slot] = 0, 0, 0
 		if err := p.stageChunk(ctx, dev, query, cp, reg, c, slot, &res); err != nil {
 			return res, fail("staging", err)
 		}
@@ -905,7 +905,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 		if err := wait(p.h2dDone[slot]); err != nil {
 			return res, fmt.Errorf("staging: chunk %d of %d: host-to-device copy: %w", k+1, len(chunks), err)
 		}
-		res.H2D += p.h2dTime(ctx, dev, slot)
+		res.H2D += p.h2dTime(ctx, dev, slot, chunks[k].Bytes)
 		if comm != nil {
 			if err := wait(p.bDone[slot]); err != nil {
 				return res, fmt.Errorf("staging: chunk %d of %d: broadcast: %w", k+1, len(chunks), err)
