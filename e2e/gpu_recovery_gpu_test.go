@@ -124,7 +124,7 @@ func requireGPUHost(t *testing.T) gpuHost {
 	if h.python == "" {
 		h.python = "python3"
 	}
-	h.device = gputest.Device()
+	h.device = gputest.Device(t)
 	out, err = exec.CommandContext(ctx, h.python, "-c",
 		"import torch; assert torch.cuda.is_available(), 'torch.cuda.is_available() is False'; print(torch.__version__)").CombinedOutput()
 	if err != nil {

@@ -29,16 +29,23 @@ import (
 )
 
 // EnvInt is the integer in the environment variable name, or def where it
-// is unset or not an integer.
-func EnvInt(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
-		return v
+// is unset or empty. A value that is not an integer fails the test: a knob
+// mistyped must not quietly run the default.
+func EnvInt(t testing.TB, name string, def int) int {
+	t.Helper()
+	s := os.Getenv(name)
+	if s == "" {
+		return def
 	}
-	return def
+	v, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatalf("%s=%q: not an integer", name, s)
+	}
+	return v
 }
 
 // Device is the CUDA device of every rank: $RLFLOW_GPU_DEVICE, default 0.
-func Device() int { return EnvInt("RLFLOW_GPU_DEVICE", 0) }
+func Device(t testing.TB) int { return EnvInt(t, "RLFLOW_GPU_DEVICE", 0) }
 
 var once struct {
 	sync.Once
@@ -65,7 +72,7 @@ func Lib(t testing.TB) *nccl.Library {
 			once.err = err
 			return
 		}
-		dev, err := nccl.OpenDevice(lib, Device())
+		dev, err := nccl.OpenDevice(lib, Device(t))
 		if err != nil {
 			once.err = err
 			return
@@ -206,7 +213,7 @@ func Place(t testing.TB, world int) Placement {
 	t.Helper()
 	Lib(t)
 	mode := os.Getenv(EnvPlacement)
-	p, err := Decide(mode, once.devices, world, Device())
+	p, err := Decide(mode, once.devices, world, Device(t))
 	if err != nil {
 		if mode == Spread {
 			t.Skipf("skipping: %v", err)

@@ -77,18 +77,38 @@ func TestXorshiftFill(t *testing.T) {
 
 func TestEnvIntAndDevice(t *testing.T) {
 	t.Setenv("RLFLOW_GPU_DEVICE", "")
-	if Device() != 0 {
-		t.Errorf("Device() = %d with RLFLOW_GPU_DEVICE unset", Device())
+	if Device(t) != 0 {
+		t.Errorf("Device(t) = %d with RLFLOW_GPU_DEVICE unset", Device(t))
 	}
 	t.Setenv("RLFLOW_GPU_DEVICE", "3")
-	if Device() != 3 {
-		t.Errorf("Device() = %d, want 3", Device())
+	if Device(t) != 3 {
+		t.Errorf("Device(t) = %d, want 3", Device(t))
+	}
+	t.Setenv("RLFLOW_TEST_INT", "")
+	if v := EnvInt(t, "RLFLOW_TEST_INT", 7); v != 7 {
+		t.Errorf("EnvInt of an empty value = %d, want the default 7", v)
+	}
+	t.Setenv("RLFLOW_TEST_INT", "12")
+	if v := EnvInt(t, "RLFLOW_TEST_INT", 7); v != 12 {
+		t.Errorf("EnvInt = %d, want 12", v)
 	}
 	t.Setenv("RLFLOW_TEST_INT", "x")
-	if EnvInt("RLFLOW_TEST_INT", 7) != 7 {
-		t.Error("EnvInt of a non-integer is not the default")
+	rec := &fatalRecorder{TB: t}
+	EnvInt(rec, "RLFLOW_TEST_INT", 7)
+	if want := `RLFLOW_TEST_INT="x": not an integer`; rec.msg != want {
+		t.Errorf("EnvInt of a non-integer failed with %q, want %q", rec.msg, want)
 	}
 }
+
+// fatalRecorder records Fatalf instead of ending the test.
+type fatalRecorder struct {
+	testing.TB
+	msg string
+}
+
+func (r *fatalRecorder) Helper() {}
+
+func (r *fatalRecorder) Fatalf(format string, args ...any) { r.msg = fmt.Sprintf(format, args...) }
 
 func TestLogDir(t *testing.T) {
 	dir := t.TempDir()
@@ -124,14 +144,14 @@ func TestDecide(t *testing.T) {
 		ranks          []int // devices of ranks 1..
 		err            bool
 	}{
-		// One GPU (the H200 of today's runs): always single, on Device().
+		// One GPU (the H200 of today's runs): always single, on Device(t).
 		{"", 1, 2, 0, Single, 0, []int{0}, false},
 		{"", 1, 3, 0, Single, 0, []int{0, 0}, false},
 		{"auto", 1, 2, 0, Single, 0, []int{0}, false},
 		{"single", 1, 2, 0, Single, 0, []int{0}, false},
 		{"", 1, 2, 5, Single, 5, []int{5}, false},
 		{"spread", 1, 2, 0, "", 0, nil, true},
-		// Two GPUs: spread for world 2, single (on Device()) for world 3.
+		// Two GPUs: spread for world 2, single (on Device(t)) for world 3.
 		{"", 2, 2, 0, Spread, 0, []int{1}, false},
 		{"", 2, 3, 1, Single, 1, []int{1, 1}, false},
 		{"spread", 2, 2, 1, Spread, 0, []int{1}, false},

@@ -299,7 +299,7 @@ func median(xs []float64) float64 {
 // candidate is the reported figure.
 func TestGPUBenchStage(t *testing.T) {
 	lib := gputest.Lib(t)
-	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt(t, "RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
 	benchStage(t, lib, path, 1<<30)
 }
@@ -308,7 +308,7 @@ func TestGPUBenchStage(t *testing.T) {
 // a dry run of the sweep itself), against the ceiling of copies of
 // ceilingBytes.
 func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
-	dev, err := nccl.OpenDevice(lib, gputest.Device())
+	dev, err := nccl.OpenDevice(lib, gputest.Device(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -322,7 +322,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 
 	probeRegister(t, dev, path)
 
-	budget := time.Duration(gputest.EnvInt("RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
+	budget := time.Duration(gputest.EnvInt(t, "RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
 	sweepStart := time.Now()
 	// One pinned buffer to copy device buffers back into, as large as the
 	// largest chunk of any layout of the sweep.
@@ -460,7 +460,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// tenants of the memory system), and a candidate measured in one block
 	// would carry whatever the drift was then. Each pass re-measures the
 	// ceiling too.
-	passes := max(gputest.EnvInt("RLFLOW_STAGE_PASSES", 1), 1)
+	passes := max(gputest.EnvInt(t, "RLFLOW_STAGE_PASSES", 1), 1)
 	ceilings := []float64{ceiling}
 	for pass := 0; pass < passes; pass++ {
 		if pass > 0 {
@@ -555,7 +555,7 @@ func optionsLiteral(o Options) string {
 
 // benchWorld is the world size of the Go-against-torch benchmarks:
 // $RLFLOW_GPU_BENCH_WORLD, default 2 (one receiver).
-func benchWorld() int { return max(gputest.EnvInt("RLFLOW_GPU_BENCH_WORLD", 2), 2) }
+func benchWorld(t *testing.T) int { return max(gputest.EnvInt(t, "RLFLOW_GPU_BENCH_WORLD", 2), 2) }
 
 // torchRanks starts bench_torch.py's ranks 0..pl.World-1 with args (after
 // the script) plus each rank's --role, --rank and --device, placed as pl
@@ -586,8 +586,8 @@ func torchRanks(t *testing.T, pl gputest.Placement, args []string, receiverExtra
 // (gputest.Place), both timed after the rendezvous.
 func TestGPUBenchE2E(t *testing.T) {
 	lib := gputest.Lib(t)
-	pl := gputest.Place(t, benchWorld())
-	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
+	pl := gputest.Place(t, benchWorld(t))
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt(t, "RLFLOW_GPU_LAYERS", 40)), false)
 	warmPageCache(t, path)
 	const threshold = 1 << 30 // vLLM's default packed_buffer_size_bytes
 	ck0, err := safetensors.OpenCheckpoint(path)
@@ -671,7 +671,7 @@ func TestGPUBenchE2E(t *testing.T) {
 // P2P/NVLink) and world size (RLFLOW_GPU_BENCH_WORLD, default 2).
 func TestGPUBenchRaw(t *testing.T) {
 	lib := gputest.Lib(t)
-	pl := gputest.Place(t, benchWorld())
+	pl := gputest.Place(t, benchWorld(t))
 	const size, reps = 1 << 30, 5
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()

@@ -418,7 +418,7 @@ func receiverArgs(t *testing.T, pl gputest.Placement, meta string, extra ...stri
 // that many GPUs), packed and not, checked byte for byte.
 func TestGPUBroadcastToReceivers(t *testing.T) {
 	lib := gputest.Lib(t)
-	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt(t, "RLFLOW_GPU_LAYERS", 40)), false)
 	f32path := genCheckpoint(t, "f32", f32Spec(), true)
 	cases := []struct {
 		name      string
@@ -500,7 +500,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 func TestGPUKilledReceiver(t *testing.T) {
 	lib := gputest.Lib(t)
 	pl := gputest.Place(t, 2)
-	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt("RLFLOW_GPU_LAYERS", 40)), false)
+	path := genCheckpoint(t, "big", bigSpec(gputest.EnvInt(t, "RLFLOW_GPU_LAYERS", 40)), false)
 	ck, err := safetensors.OpenCheckpoint(path)
 	if err != nil {
 		t.Fatal(err)
@@ -572,7 +572,7 @@ func TestGPUPeerNeverJoins(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	start := time.Now()
-	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2, Device: gputest.Device()}, lib,
+	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2, Device: gputest.Device(t)}, lib,
 		func(ctx context.Context, port int) error { <-ctx.Done(); return ctx.Err() })
 	took := time.Since(start)
 	gputest.Verdict(t, errors.Is(err, context.DeadlineExceeded) && took < 20*time.Second,
