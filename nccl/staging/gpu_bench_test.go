@@ -125,6 +125,11 @@ func stageConfigs() []stageConfig {
 		ring("ring-w4M-48M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 48 * M, SplitBytes: 1 * M}),
 		ring("ring-w4M-96M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 96 * M, SplitBytes: 1 * M}),
 		ring("ring-w4M-64M-parts512K", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: M / 2}),
+		// The default with fewer copy workers (cores left to the goroutine
+		// issuing the copies when other tenants take some), and with two
+		// goroutines faulting the mapping in ahead of the copies.
+		ring("default-12workers", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M, CopyWorkers: 12}),
+		ring("default-prefault2", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M, PrefaultWorkers: 2}),
 		// A 128 MiB ring of 4 MiB pinned slots, one worker per slot, with
 		// GOMAXPROCS (at most 16, as the default), 14 and 12 copy workers:
 		// the best on a 300 MiB-L3 host, far worse on another.
@@ -351,7 +356,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		opts Options
 	}
 	var best, def *outcome
-	fig := func(c stageConfig, pass string, res Result) float64 {
+	fig := func(c stageConfig, pass string, res Result, cpu cpuDelta) float64 {
 		gb := res.Throughput() / 1e9
 		key := fmt.Sprintf("stage.%s.%s", c.name, pass)
 		figure(t, key+".GBps", gb)
@@ -359,6 +364,8 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		figure(t, key+".host_copy_GBps", gbps(res.Copied, res.HostCopy))
 		figure(t, key+".h2d_GBps", gbps(res.Bytes, res.H2D))
 		figure(t, key+".overlap", res.Overlap())
+		figure(t, key+".cpu_steal", cpu.Steal)
+		figure(t, key+".process_cpus", cpu.ProcCPUs)
 		if res.Mode == ModeRegister {
 			figure(t, key+".register_s", res.Register.Seconds())
 			figure(t, key+".unregister_s", res.Unregister.Seconds())
@@ -377,9 +384,9 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		if res.Fallback != "" {
 			extra += "; FALLBACK to the host copy: " + res.Fallback
 		}
-		fmt.Printf("GPU-FIGURE stage %-28s %-8s %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s; wall %.0f ms; host copy %.2f GB/s; H2D %.2f GB/s (GPU busy %.0f%% of wall); overlap %.2f; %d windows, %d pinned slots of %d KiB, host waited %.1f ms%s\n",
+		fmt.Printf("GPU-FIGURE stage %-28s %-8s %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s; wall %.0f ms; host copy %.2f GB/s; H2D %.2f GB/s (GPU busy %.0f%% of wall); overlap %.2f; %d windows, %d pinned slots of %d KiB, host waited %.1f ms; %v%s\n",
 			c.name, pass, gb, 100*gb/ceiling, ceiling, 1e3*res.Wall.Seconds(), gbps(res.Copied, res.HostCopy), gbps(res.Bytes, res.H2D),
-			100*res.H2D.Seconds()/max(res.Wall.Seconds(), 1e-9), res.Overlap(), res.Windows, res.Slots, res.SlotBytes>>10, 1e3*res.HostWait.Seconds(), extra)
+			100*res.H2D.Seconds()/max(res.Wall.Seconds(), 1e-9), res.Overlap(), res.Windows, res.Slots, res.SlotBytes>>10, 1e3*res.HostWait.Seconds(), cpu, extra)
 		return gb
 	}
 	// runConfig measures one candidate. A candidate that fails (a CUDA
@@ -413,7 +420,9 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		stage := func(pass string) (float64, error) {
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
+			c0 := sampleCPU()
 			res, err := p.Stage(ctx, ck, chunks)
+			cpu := c0.to(sampleCPU())
 			if err != nil {
 				return 0, fmt.Errorf("%s: %w", pass, err)
 			}
@@ -421,7 +430,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 			if res.Fallback != "" {
 				tl.fellBack = true
 			}
-			return fig(c, pass, res), nil
+			return fig(c, pass, res, cpu), nil
 		}
 		for i := 0; i < 3; i++ {
 			if i > 0 { // a fresh mapping: page faults (and registration) included
@@ -462,12 +471,20 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// ceiling too.
 	passes := max(gputest.EnvInt(t, "RLFLOW_STAGE_PASSES", 1), 1)
 	ceilings := []float64{ceiling}
+	var hostCeilings []float64
 	for pass := 0; pass < passes; pass++ {
 		if pass > 0 {
 			c := pinnedCeiling(t, dev, ceilingBytes, 10)
 			ceilings = append(ceilings, c)
 			fmt.Printf("GPU-FIGURE stage pass %d pinned ceiling: %.2f GB/s\n", pass+1, c)
 		}
+		// The CPU side's own ceiling, beside the DMA's: what the host
+		// copy can do on this host at this moment.
+		hc, err := probeHostCopy(path, pass+1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hostCeilings = append(hostCeilings, hc)
 		for _, c := range configs {
 			tl := tallies[c.name]
 			if tl == nil {
@@ -495,6 +512,10 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	ceiling = median(ceilings)
 	figure(t, "stage.pinned_h2d_ceiling_median_GBps", ceiling)
 	fmt.Printf("GPU-FIGURE stage pinned ceiling over %d passes: median %.2f GB/s (min %.2f, max %.2f)\n", passes, ceiling, slices.Min(ceilings), slices.Max(ceilings))
+	hostCeiling := median(hostCeilings)
+	figure(t, "stage.host_copy_ceiling_median_GBps", hostCeiling)
+	fmt.Printf("GPU-FIGURE stage host copy ceiling over %d passes (CPU only, fresh mapping): median %.2f GB/s (min %.2f, max %.2f) = %.0f%% of the pinned ceiling\n",
+		passes, hostCeiling, slices.Min(hostCeilings), slices.Max(hostCeilings), 100*hostCeiling/ceiling)
 	for _, c := range configs {
 		tl := tallies[c.name]
 		if tl == nil || tl.failed || len(tl.fresh) == 0 {
@@ -538,8 +559,9 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		}
 		figure(t, "stage.default.GBps", def.gbps)
 		figure(t, "stage.default.ratio_to_ceiling", def.gbps/ceiling)
-		fmt.Printf("GPU-FIGURE stage DEFAULT %.2f GB/s = %.0f%% of pinned ceiling %.2f GB/s (target 85%%: %s); DefaultOptions: %s\n",
-			def.gbps, dpct, ceiling, dmet, optionsLiteral(def.opts))
+		figure(t, "stage.default.ratio_to_host_copy_ceiling", def.gbps/hostCeiling)
+		fmt.Printf("GPU-FIGURE stage DEFAULT %.2f GB/s = %.0f%% of pinned ceiling %.2f GB/s (target 85%%: %s), %.0f%% of the host copy ceiling %.2f GB/s; DefaultOptions: %s\n",
+			def.gbps, dpct, ceiling, dmet, 100*def.gbps/hostCeiling, hostCeiling, optionsLiteral(def.opts))
 	}
 	fmt.Printf("GPU-FIGURE stage BEST %s %.2f GB/s = %.0f%% of pinned ceiling %.2f GB/s (target 85%%: %s); as DefaultOptions: %s; DefaultOptions now: %s\n",
 		best.c.name, best.gbps, pct, ceiling, met, optionsLiteral(best.opts), optionsLiteral(Options{}.withDefaults()))

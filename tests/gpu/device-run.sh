@@ -11,7 +11,7 @@
 #   4. the GPU worker SIGKILLed mid-broadcast on a real dev server.
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
-# sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 3);
+# sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 5);
 # T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
 set -o pipefail
 for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
@@ -21,10 +21,12 @@ done
 # to connect ("Mismatched NCCL version").
 L=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
 export RLFLOW_NCCL_LIB=$L RECEIVER_NCCL_LIB=$L RLFLOW_GPU_LOGS=$PWD/gpu-logs
-# The default, two neighbours, the previous default (2 MiB slots, one worker
-# each) and the 128 MiB ring, in PASSES interleaved passes.
-export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w8M-64M-parts1M|ring-w4M-48M-parts1M|ring-w2M-64M|ring-w4M-128M)$'}
-export RLFLOW_STAGE_PASSES=${PASSES:-3}
+# The default, two neighbours, the default with 12 workers and with
+# prefaulting, the previous default (2 MiB slots, one worker each) and the
+# 128 MiB ring, in PASSES interleaved passes (each pass also measures both
+# ceilings: the pinned H2D copy and the CPU's host copy).
+export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w8M-64M-parts1M|ring-w4M-48M-parts1M|default-12workers|default-prefault2|ring-w2M-64M|ring-w4M-128M)$'}
+export RLFLOW_STAGE_PASSES=${PASSES:-5}
 mkdir -p "$RLFLOW_GPU_LOGS"
 R=$PWD
 rc=0
@@ -43,7 +45,7 @@ step() { # name, status
 cd "$R/nccl/staging" || exit 2
 timeout "${T_BENCH:-200}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run "${BENCH:-TestGPUBench}" > "$OUT/gpu-bench.log" 2>&1
 step bench $?
-grep -E "GPU-FIGURE stage .*(MEDIAN|BEST|DEFAULT)|^--- " "$OUT/gpu-bench.log" | cut -c1-260
+grep -E "GPU-FIGURE stage .*(MEDIAN|BEST|DEFAULT|ceiling)|^--- " "$OUT/gpu-bench.log" | cut -c1-260
 grep "GPU-FIGURE" "$OUT/gpu-bench.log" | grep -v "GPU-FIGURE stage" | cut -c1-260
 if [ -z "$ONLY_BENCH" ]; then
 	timeout "${T_CORR:-120}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run 'TestGPUPeerNeverJoins|TestGPUBroadcastToReceivers|TestGPUKilledReceiver' > "$OUT/gpu-correctness.log" 2>&1
