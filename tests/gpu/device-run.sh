@@ -40,6 +40,11 @@ step() { # name, status
 	lscpu | grep -E '^(Model name|Model:|CPU\(s\)|L3|NUMA node\(s\))'
 	echo "L3 per cpu0: $(cat /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null)"
 	nvidia-smi --query-gpu=name,pci.bus_id,driver_version --format=csv,noheader
+	# How loaded the machine is as the run starts: the load average, and
+	# /proc/stat's aggregate CPU line one second apart (its 8th number is
+	# steal, vCPU time given to other guests).
+	echo "loadavg: $(cat /proc/loadavg)"
+	head -1 /proc/stat; sleep 1; head -1 /proc/stat
 } | tee "$OUT/host.txt"
 
 cd "$R/nccl/staging" || exit 2
