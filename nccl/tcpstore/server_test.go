@@ -507,6 +507,12 @@ func TestSlowReaderIsClosed(t *testing.T) {
 	if err := setter.Set(ctx, "/big", bytes.Repeat([]byte{7}, 256<<10)); err != nil {
 		t.Fatal(err)
 	}
+	// SET has no reply: without this round trip the GETs below, on another
+	// connection, could be handled first and get the empty value of a
+	// missing key, 8 bytes each, which no backlog limit catches.
+	if err := setter.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
 	c := rawDial(t, s)
 	write(t, c, hx(t, tValidate))
 	get := hx(t, `03 0400000000000000 "/big"`)
