@@ -690,11 +690,40 @@ func TestGPUBenchE2E(t *testing.T) {
 // TestGPUBenchRaw (benchmark c): broadcast throughput of a device buffer,
 // Go against torch.distributed, over the same placement (gputest.Place:
 // two ranks on one GPU through sockets, or rank r on GPU r through
-// P2P/NVLink) and world size (RLFLOW_GPU_BENCH_WORLD, default 2).
+// P2P/NVLink) and world size (RLFLOW_GPU_BENCH_WORLD, default 2). With
+// RLFLOW_RAW_ROUNDS > 1 the two sides alternate, Go then torch, that many
+// times, and the ratio is of their medians: the host drifts within a run,
+// and two measurements taken one after the other would carry that drift
+// into the ratio.
 func TestGPUBenchRaw(t *testing.T) {
 	lib := gputest.Lib(t)
 	pl := gputest.Place(t, benchWorld(t))
 	const size, reps = 1 << 30, 5
+	rounds := max(gputest.EnvInt(t, "RLFLOW_RAW_ROUNDS", 1), 1)
+	var goRates, torchRates []float64
+	for r := 1; r <= rounds; r++ {
+		g := rawGo(t, lib, pl, size, reps)
+		tr := rawTorch(t, pl, size, reps)
+		goRates, torchRates = append(goRates, g), append(torchRates, tr)
+		fmt.Printf("GPU-FIGURE raw round %d of %d: go %.2f GB/s, torch.distributed %.2f GB/s: ratio %.2f\n", r, rounds, g, tr, g/tr)
+	}
+	goGBps, torchGBps := median(goRates), median(torchRates)
+	figure(t, "raw.placement", pl.Mode)
+	figure(t, "raw.world", pl.World)
+	figure(t, "raw.rounds", rounds)
+	figure(t, "raw.go_GBps", goGBps)
+	figure(t, "raw.torch_GBps", torchGBps)
+	figure(t, "raw.ratio_go_over_torch", goGBps/torchGBps)
+	// For a broadcast the bus bandwidth is the algorithm bandwidth
+	// (nccl-tests' convention): bytes / time.
+	fmt.Printf("GPU-FIGURE raw broadcast %d x %d bytes, world %d, %s placement, median of %d alternating rounds: go %.2f GB/s, torch.distributed %.2f GB/s (bus bandwidth = algorithm bandwidth for a broadcast): ratio %.2f\n",
+		reps, size, pl.World, pl.Mode, rounds, goGBps, torchGBps, goGBps/torchGBps)
+}
+
+// rawGo broadcasts a size-byte device buffer reps times from a Go rank 0 to
+// receiver.py ranks, after one untimed broadcast that sets up the
+// connections, and returns GB/s. The receivers check every byte.
+func rawGo(t *testing.T, lib nccl.API, pl gputest.Placement, size, reps int) float64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	script := scriptPath(t, "receiver.py")
@@ -740,12 +769,20 @@ func TestGPUBenchRaw(t *testing.T) {
 	if err := comm.Synchronize(ctx); err != nil {
 		t.Fatal(err)
 	}
-	goGBps := float64(size) * reps / time.Since(start).Seconds() / 1e9
+	rate := float64(size) * float64(reps) / time.Since(start).Seconds() / 1e9
 	for _, p := range procs {
 		r, err := p.finish(ctx)
 		gputest.Verdict(t, err == nil && r["verdict"] == "PASS", "go raw broadcast received intact by receiver.py %s: %v %v", p.name, r["verdict"], err)
 	}
+	return rate
+}
 
+// rawTorch runs bench_torch.py's raw mode (the same broadcasts through
+// torch.distributed, receivers verifying) on the same placement and
+// returns the trainer's GB/s.
+func rawTorch(t *testing.T, pl gputest.Placement, size, reps int) float64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
 	port := strconv.Itoa(gputest.FreePort(t))
 	tr, rcs := torchRanks(t, pl, []string{"--mode", "raw", "--init", "tcp://127.0.0.1:" + port,
 		"--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}, "--verify")
@@ -758,16 +795,7 @@ func TestGPUBenchRaw(t *testing.T) {
 			t.Fatalf("%s: %v %v", rc.name, rres, err)
 		}
 	}
-	torchGBps := num(tres, "gbps")
-	figure(t, "raw.placement", pl.Mode)
-	figure(t, "raw.world", pl.World)
-	figure(t, "raw.go_GBps", goGBps)
-	figure(t, "raw.torch_GBps", torchGBps)
-	figure(t, "raw.ratio_go_over_torch", goGBps/torchGBps)
-	// For a broadcast the bus bandwidth is the algorithm bandwidth
-	// (nccl-tests' convention): bytes / time.
-	fmt.Printf("GPU-FIGURE raw broadcast %d x %d bytes, world %d, %s placement: go %.2f GB/s, torch.distributed %.2f GB/s (bus bandwidth = algorithm bandwidth for a broadcast): ratio %.2f\n",
-		reps, size, pl.World, pl.Mode, goGBps, torchGBps, goGBps/torchGBps)
+	return num(tres, "gbps")
 }
 
 // TestBenchStageDryRun runs the staging sweep's own logic (interleaved

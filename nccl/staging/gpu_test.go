@@ -27,6 +27,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"os/exec"
@@ -282,10 +283,22 @@ func launchEnv(t *testing.T, name string, env []string, args ...string) *proc {
 	}
 	cmd := exec.Command(py, args...)
 	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1")
-	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())+"."+name+".log")
-	logf, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
+	// A process of the same name launched again in the same test (the
+	// benchmarks' rounds) gets name.2.log, name.3.log, ...: none is lost.
+	base := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())+"."+name)
+	var logf *os.File
+	for i := 1; logf == nil; i++ {
+		logPath := base + ".log"
+		if i > 1 {
+			logPath = fmt.Sprintf("%s.%d.log", base, i)
+		}
+		f, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		switch {
+		case err == nil:
+			logf = f
+		case !errors.Is(err, fs.ErrExist):
+			t.Fatal(err)
+		}
 	}
 	cmd.Stderr = logf
 	out, err := cmd.StdoutPipe()

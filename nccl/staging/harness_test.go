@@ -89,3 +89,37 @@ print("RESULT " + json.dumps({"verdict": "PASS", "bytes": 42}), flush=True)
 		t.Fatalf("killed process: %v after %v", err, time.Since(start))
 	}
 }
+
+// A process launched again under the same name in one test (the raw
+// benchmark's rounds) must not overwrite the log of the first.
+func TestLaunchEnvKeepsEveryLog(t *testing.T) {
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("python3 not on PATH: this test runs the GPU tests' process launcher; .ci/run installs it")
+	}
+	t.Setenv("RLFLOW_PYTHON", "python3")
+	dir := t.TempDir()
+	t.Setenv("RLFLOW_GPU_LOGS", dir)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i, word := range []string{"first", "second", "third"} {
+		p := launchEnv(t, "twin", nil, "-c", `print('RESULT {"round": "`+word+`"}')`)
+		r, err := p.finish(ctx)
+		if err != nil || r["round"] != word {
+			t.Fatalf("launch %d: %v %v", i+1, r, err)
+		}
+	}
+	base := filepath.Join(dir, "TestLaunchEnvKeepsEveryLog.twin")
+	for _, tc := range []struct{ path, want string }{
+		{base + ".log", "first"},
+		{base + ".2.log", "second"},
+		{base + ".3.log", "third"},
+	} {
+		b, err := os.ReadFile(tc.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), tc.want) {
+			t.Fatalf("%s: %q, want the %s launch's output", tc.path, b, tc.want)
+		}
+	}
+}

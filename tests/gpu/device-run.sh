@@ -12,6 +12,7 @@
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
 # sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 5);
+# RAW_ROUNDS (RLFLOW_RAW_ROUNDS, default 3);
 # T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
 set -o pipefail
 for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
@@ -27,6 +28,8 @@ export RLFLOW_NCCL_LIB=$L RECEIVER_NCCL_LIB=$L RLFLOW_GPU_LOGS=$PWD/gpu-logs
 # ceilings: the pinned H2D copy and the CPU's host copy).
 export RLFLOW_STAGE_CONFIGS=${STAGE:-'^(default|ring-w8M-64M-parts1M|ring-w4M-48M-parts1M|default-12workers|default-prefault2|ring-w2M-64M|ring-w4M-128M)$'}
 export RLFLOW_STAGE_PASSES=${PASSES:-5}
+# Go and torch alternate in the raw broadcast benchmark, RAW_ROUNDS times.
+export RLFLOW_RAW_ROUNDS=${RAW_ROUNDS:-3}
 mkdir -p "$RLFLOW_GPU_LOGS"
 R=$PWD
 rc=0
@@ -45,6 +48,11 @@ step() { # name, status
 	# steal, vCPU time given to other guests).
 	echo "loadavg: $(cat /proc/loadavg)"
 	head -1 /proc/stat; sleep 1; head -1 /proc/stat
+	# Where the bench checkpoints live and whether their page cache can be
+	# huge pages: it decides how fast the kernel pins (ModeRegister).
+	echo "kernel: $(uname -r)"
+	echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); shmem: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
+	df -T "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/fs: /'
 } | tee "$OUT/host.txt"
 
 cd "$R/nccl/staging" || exit 2
