@@ -12,7 +12,7 @@
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
 # sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 5);
-# RAW_ROUNDS (RLFLOW_RAW_ROUNDS, default 3);
+# RAW_ROUNDS (RLFLOW_RAW_ROUNDS, default 3); QUIET_WAIT (seconds, default 0);
 # T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
 set -o pipefail
 for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
@@ -54,6 +54,28 @@ step() { # name, status
 	echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); shmem: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
 	df -T "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/fs: /'
 } | tee "$OUT/host.txt"
+
+# QUIET_WAIT=S: before the benchmarks, wait up to S seconds for a quiet
+# spell: one spinning loop per CPU for 4 s, during which /proc/stat must show
+# under 2% steal (vCPU time the hypervisor gave other guests; it only shows
+# while our vCPUs want to run, hence the spinning). Every sample goes to
+# host.txt; the run starts anyway when S is spent. The staging figure
+# depends on the host's CPUs, which the pinned ceiling does not see.
+waited=0
+while [ "${QUIET_WAIT:-0}" -gt 0 ]; do
+	spin=()
+	for _ in $(seq "$(nproc)"); do sh -c 'while :; do :; done' & spin+=($!); done
+	sleep 0.5; a=$(head -1 /proc/stat); sleep 4; b=$(head -1 /proc/stat)
+	kill "${spin[@]}"; wait "${spin[@]}" 2>/dev/null
+	q=$(printf '%s\n%s\n' "$a" "$b" | awk '{for(i=2;i<=9;i++)v[NR,i]=$i}
+		END{t=0; for(i=2;i<=9;i++){d[i]=v[2,i]-v[1,i]; t+=d[i]}; if(t==0)t=1; st=d[9]/t*100;
+		printf "%s: steal %.1f%% with every CPU spinning", st<2?"quiet":"loaded", st}')
+	echo "after ${waited}s: $q" | tee -a "$OUT/host.txt"
+	case $q in quiet*) break ;; esac
+	waited=$((waited + 20))
+	[ "$waited" -ge "$QUIET_WAIT" ] && { echo "no quiet spell in ${QUIET_WAIT}s: running anyway" | tee -a "$OUT/host.txt"; break; }
+	sleep 15
+done
 
 cd "$R/nccl/staging" || exit 2
 timeout "${T_BENCH:-200}" /tmp/staging-gpu.test -test.v -test.timeout 10m -test.run "${BENCH:-TestGPUBench}" > "$OUT/gpu-bench.log" 2>&1
