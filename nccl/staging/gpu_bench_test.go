@@ -125,11 +125,12 @@ func stageConfigs() []stageConfig {
 		ring("ring-w4M-48M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 48 * M, SplitBytes: 1 * M}),
 		ring("ring-w4M-96M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 96 * M, SplitBytes: 1 * M}),
 		ring("ring-w4M-64M-parts512K", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: M / 2}),
-		// The default with fewer copy workers (cores left to the goroutine
-		// issuing the copies when other tenants take some), and with two
-		// goroutines faulting the mapping in ahead of the copies.
-		ring("default-12workers", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M, CopyWorkers: 12}),
-		ring("default-prefault2", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M, PrefaultWorkers: 2}),
+		// The default (its zero fields take DefaultOptions) with fewer copy
+		// workers (cores left to the goroutine issuing the copies when other
+		// tenants take some), and with two goroutines faulting the mapping
+		// in ahead of the copies.
+		pk("default-12workers", Options{CopyWorkers: 12}),
+		pk("default-prefault2", Options{PrefaultWorkers: 2}),
 		// A 128 MiB ring of 4 MiB pinned slots, one worker per slot, with
 		// GOMAXPROCS (at most 16, as the default), 14 and 12 copy workers:
 		// the best on a 300 MiB-L3 host, far worse on another.
@@ -164,9 +165,9 @@ func stageConfigs() []stageConfig {
 		ring("ring-w2M-128M", Options{WindowBytes: 2 * M, PinnedBytes: 128 * M, SplitBytes: 8 * M}),
 		// The 64 MiB footprint in larger copies (a 2 MiB copy runs at 92% of
 		// the ceiling by itself, a 4 MiB one at 96%), several workers per
-		// window so that as many slots are in flight.
+		// window so that as many slots are in flight (4 MiB slots in 1 MiB
+		// parts became the default).
 		ring("ring-w4M-64M-parts2M", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 2 * M}),
-		ring("ring-w4M-64M-parts1M", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 1 * M}),
 		ring("ring-w8M-64M-parts2M", Options{WindowBytes: 8 * M, PinnedBytes: 64 * M, SplitBytes: 2 * M}),
 		ring("ring-w8M-128M-parts2M", Options{WindowBytes: 8 * M, PinnedBytes: 128 * M, SplitBytes: 2 * M}),
 		ring("ring-w2M-32M-parts1M", Options{WindowBytes: 2 * M, PinnedBytes: 32 * M, SplitBytes: 1 * M}),
@@ -400,7 +401,6 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		failed   bool      // a run failed: no more passes, no figure
 		fellBack bool      // a ModeRegister run fell back to the host copy
 	}
-	tallies := map[string]*tally{}
 	runConfig := func(c stageConfig, tl *tally) (fresh []float64, opts Options, err error) {
 		ck, err := safetensors.OpenCheckpoint(path)
 		if err != nil {
@@ -464,6 +464,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 			configs = append(configs, c)
 		}
 	}
+	tallies := make([]tally, len(configs)) // tallies[i] is configs[i]'s
 	// RLFLOW_STAGE_PASSES passes over the candidates, interleaved: the
 	// hosts' throughput drifts by several points within a run (other
 	// tenants of the memory system), and a candidate measured in one block
@@ -485,12 +486,8 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 			t.Fatal(err)
 		}
 		hostCeilings = append(hostCeilings, hc)
-		for _, c := range configs {
-			tl := tallies[c.name]
-			if tl == nil {
-				tl = &tally{}
-				tallies[c.name] = tl
-			}
+		for i, c := range configs {
+			tl := &tallies[i]
 			if tl.failed {
 				continue
 			}
@@ -516,9 +513,9 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	figure(t, "stage.host_copy_ceiling_median_GBps", hostCeiling)
 	fmt.Printf("GPU-FIGURE stage host copy ceiling over %d passes (CPU only, fresh mapping): median %.2f GB/s (min %.2f, max %.2f) = %.0f%% of the pinned ceiling\n",
 		passes, hostCeiling, slices.Min(hostCeilings), slices.Max(hostCeilings), 100*hostCeiling/ceiling)
-	for _, c := range configs {
-		tl := tallies[c.name]
-		if tl == nil || tl.failed || len(tl.fresh) == 0 {
+	for i, c := range configs {
+		tl := &tallies[i]
+		if tl.failed || len(tl.fresh) == 0 {
 			continue
 		}
 		fs, m, opts := tl.fresh, median(tl.fresh), tl.opts
