@@ -120,9 +120,17 @@ func (d cpuDelta) String() string {
 // work beside it. It returns the rate in GB/s. Staging cannot beat it on
 // this host at this moment.
 func hostCopyCeiling(src []byte, workers, job int) float64 {
-	var next atomic.Int64
-	var wg sync.WaitGroup
 	start := time.Now()
+	copyInJobs(src, workers, job)
+	return gbps(int64(len(src)), time.Since(start))
+}
+
+// copyInJobs is hostCopyCeiling's work. The jobs are disjoint (an atomic
+// counter hands out their offsets), so the bytes it returns, summed over
+// the workers, equal len(src) exactly when every byte was copied.
+func copyInJobs(src []byte, workers, job int) int64 {
+	var next, copied atomic.Int64
+	var wg sync.WaitGroup
 	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {
@@ -135,12 +143,12 @@ func hostCopyCeiling(src []byte, workers, job int) float64 {
 				}
 				end := min(off+int64(job), int64(len(src)))
 				slot := (k % 4) * job
-				copy(buf[slot:slot+int(end-off)], src[off:end])
+				copied.Add(int64(copy(buf[slot:slot+int(end-off)], src[off:end])))
 			}
 		}()
 	}
 	wg.Wait()
-	return gbps(int64(len(src)), time.Since(start))
+	return copied.Load()
 }
 
 // probeHostCopy measures hostCopyCeiling over the checkpoint at path with
@@ -212,17 +220,28 @@ func TestCPUDelta(t *testing.T) {
 }
 
 func TestHostCopyCeilingCopiesEverything(t *testing.T) {
-	// The probe must read every byte of src (a job past the end, or a
-	// short last job, would make its rate a lie): copy into buffers that
-	// are checked, through the same job split.
+	// The probe's rate is len(src) over its time: it must copy every byte
+	// once (a job lost past the end, or a short last job cut, would make
+	// the rate a lie).
 	src := make([]byte, 10<<20+12345)
-	for i := range src {
-		src[i] = byte(i * 7)
+	for _, tc := range []struct {
+		name       string
+		n, workers int
+		job        int
+	}{
+		{"jobs and a short last one", len(src), 3, 1 << 20},
+		{"exact multiple of the job", 8 << 20, 16, 1 << 20},
+		{"fewer bytes than one job", 5, 4, 1 << 20},
+		{"more workers than jobs", 3<<20 + 1, 16, 1 << 20},
+		{"empty", 0, 2, 1 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := copyInJobs(src[:tc.n], tc.workers, tc.job); got != int64(tc.n) {
+				t.Fatalf("copied %d bytes of %d", got, tc.n)
+			}
+		})
 	}
 	if r := hostCopyCeiling(src, 3, 1<<20); r <= 0 {
-		t.Fatalf("rate %v", r)
-	}
-	if r := hostCopyCeiling(src[:5], 4, 1<<20); r <= 0 { // fewer bytes than one job
 		t.Fatalf("rate %v", r)
 	}
 }
