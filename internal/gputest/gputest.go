@@ -44,6 +44,18 @@ func EnvInt(t testing.TB, name string, def int) int {
 	return v
 }
 
+// EnvIntAtLeast is EnvInt for a knob with a floor (a count of passes, a
+// world size): a value below least fails the test instead of being raised
+// to it quietly.
+func EnvIntAtLeast(t testing.TB, name string, def, least int) int {
+	t.Helper()
+	v := EnvInt(t, name, def)
+	if v < least {
+		t.Fatalf("%s=%d: must be at least %d", name, v, least)
+	}
+	return v
+}
+
 // Device is the CUDA device of every rank: $RLFLOW_GPU_DEVICE, default 0.
 func Device(t testing.TB) int { return EnvInt(t, "RLFLOW_GPU_DEVICE", 0) }
 

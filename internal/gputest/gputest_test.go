@@ -100,7 +100,35 @@ func TestEnvIntAndDevice(t *testing.T) {
 	}
 }
 
-// fatalRecorder records Fatalf instead of ending the test.
+func TestEnvIntAtLeast(t *testing.T) {
+	for _, tc := range []struct {
+		value string
+		want  int
+		fatal string
+	}{
+		{"", 2, ""},
+		{"2", 2, ""},
+		{"5", 5, ""},
+		{"1", 0, `RLFLOW_TEST_WORLD=1: must be at least 2`},
+		{"-3", 0, `RLFLOW_TEST_WORLD=-3: must be at least 2`},
+		{"two", 0, `RLFLOW_TEST_WORLD="two": not an integer`},
+	} {
+		t.Run("value="+tc.value, func(t *testing.T) {
+			t.Setenv("RLFLOW_TEST_WORLD", tc.value)
+			rec := &fatalRecorder{TB: t}
+			v := EnvIntAtLeast(rec, "RLFLOW_TEST_WORLD", 2, 2)
+			if rec.msg != tc.fatal {
+				t.Fatalf("failed with %q, want %q", rec.msg, tc.fatal)
+			}
+			if tc.fatal == "" && v != tc.want {
+				t.Fatalf("= %d, want %d", v, tc.want)
+			}
+		})
+	}
+}
+
+// fatalRecorder records Fatalf instead of ending the test. It keeps the
+// first message: a real Fatalf would have stopped there.
 type fatalRecorder struct {
 	testing.TB
 	msg string
@@ -108,7 +136,11 @@ type fatalRecorder struct {
 
 func (r *fatalRecorder) Helper() {}
 
-func (r *fatalRecorder) Fatalf(format string, args ...any) { r.msg = fmt.Sprintf(format, args...) }
+func (r *fatalRecorder) Fatalf(format string, args ...any) {
+	if r.msg == "" {
+		r.msg = fmt.Sprintf(format, args...)
+	}
+}
 
 func TestLogDir(t *testing.T) {
 	dir := t.TempDir()

@@ -470,7 +470,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// tenants of the memory system), and a candidate measured in one block
 	// would carry whatever the drift was then. Each pass re-measures the
 	// ceiling too.
-	passes := max(gputest.EnvInt(t, "RLFLOW_STAGE_PASSES", 1), 1)
+	passes := gputest.EnvIntAtLeast(t, "RLFLOW_STAGE_PASSES", 1, 1)
 	ceilings := []float64{ceiling}
 	var hostCeilings []float64
 	for pass := 0; pass < passes; pass++ {
@@ -574,7 +574,7 @@ func optionsLiteral(o Options) string {
 
 // benchWorld is the world size of the Go-against-torch benchmarks:
 // $RLFLOW_GPU_BENCH_WORLD, default 2 (one receiver).
-func benchWorld(t *testing.T) int { return max(gputest.EnvInt(t, "RLFLOW_GPU_BENCH_WORLD", 2), 2) }
+func benchWorld(t *testing.T) int { return gputest.EnvIntAtLeast(t, "RLFLOW_GPU_BENCH_WORLD", 2, 2) }
 
 // torchRanks starts bench_torch.py's ranks 0..pl.World-1 with args (after
 // the script) plus each rank's --role, --rank and --device, placed as pl
@@ -696,7 +696,7 @@ func TestGPUBenchRaw(t *testing.T) {
 	lib := gputest.Lib(t)
 	pl := gputest.Place(t, benchWorld(t))
 	const size, reps = 1 << 30, 5
-	rounds := max(gputest.EnvInt(t, "RLFLOW_RAW_ROUNDS", 1), 1)
+	rounds := gputest.EnvIntAtLeast(t, "RLFLOW_RAW_ROUNDS", 1, 1)
 	var goRates, torchRates []float64
 	for r := 1; r <= rounds; r++ {
 		g := rawGo(t, lib, pl, size, reps)
