@@ -13,7 +13,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 	"go.temporal.io/sdk/activity"

@@ -44,7 +44,7 @@ import (
 	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/launch"
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"

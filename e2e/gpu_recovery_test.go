@@ -19,7 +19,7 @@ import (
 
 	"github.com/rlflow/rlflow/internal/devtest"
 	"github.com/rlflow/rlflow/launch"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"

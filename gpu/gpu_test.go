@@ -37,7 +37,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )

@@ -25,7 +25,7 @@ import (
 	"testing"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // EnvInt is the integer in the environment variable name, or def where it

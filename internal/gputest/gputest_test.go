@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 func TestDecoderSpecs(t *testing.T) {

@@ -25,7 +25,7 @@ import (
 	"slices"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Tensor is one tensor of an update, in update order.

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 func u8s(sizes ...int64) []Tensor {

@@ -8,7 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Source is where tensor bytes come from; *safetensors.Checkpoint is one

@@ -16,7 +16,7 @@ import (
 
 	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // warmPageCache reads the file once so that the benchmarks measure the

@@ -42,7 +42,7 @@ import (
 
 	"github.com/rlflow/rlflow/internal/gputest"
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 func scriptPath(t *testing.T, name string) string {

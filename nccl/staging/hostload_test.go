@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // The staging sweep's ratio is against the pinned H2D ceiling, which is DMA

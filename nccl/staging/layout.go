@@ -4,7 +4,7 @@ import (
 	"fmt"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Chunk is one broadcast of the wire sequence.

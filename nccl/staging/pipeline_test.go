@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // testTensor describes a tensor of the test checkpoint.

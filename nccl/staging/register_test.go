@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // pageTensors are large enough for several one-page registration segments

@@ -5,7 +5,7 @@ import (
 
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/plan"
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Update is one weight update laid out for the wire: the tensors in update

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Plan (nccl/plan underneath) must produce exactly the oracle's layout.

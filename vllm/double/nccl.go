@@ -7,7 +7,7 @@ import (
 	"math"
 	"math/bits"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )

@@ -10,7 +10,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/rlflow/rlflow/nccl/safetensors"
+	"github.com/rlflow/rlflow/safetensors"
 )
 
 // Load reads a bigram checkpoint: a .safetensors file or a directory of them

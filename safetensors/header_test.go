@@ -33,7 +33,7 @@ const okT = `"t":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}`
 
 // corruptCases is the corrupt-header corpus: every case must be rejected
 // with an error containing want. The files are also checked in under
-// nccl/testdata/safetensors-corrupt/ (regenerate with -update).
+// safetensors/testdata/corrupt/ (regenerate with -update).
 var corruptCases = []struct {
 	name string
 	data []byte
@@ -88,7 +88,7 @@ func TestCorruptCorpus(t *testing.T) {
 	if len(corruptCases) < 20 {
 		t.Fatalf("corpus has %d cases, want at least 20", len(corruptCases))
 	}
-	dir := filepath.Join("..", "testdata", "safetensors-corrupt")
+	dir := filepath.Join("testdata", "corrupt")
 	if *update {
 		os.RemoveAll(dir)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
