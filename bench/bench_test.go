@@ -13,7 +13,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/worker"
 	"go.temporal.io/sdk/client"
@@ -29,7 +29,7 @@ func setup(b *testing.B) *env {
 	b.Helper()
 	srv := devtest.Server(b)
 	ctx := context.Background()
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -55,7 +55,7 @@ func (e *env) run(b *testing.B, p *pipelines.Pipeline) (time.Duration, string) {
 	b.Helper()
 	ctx := context.Background()
 	start := time.Now()
-	run, err := launch.Start(ctx, e.c, launch.StartOptions{Spec: p, TaskQueue: e.queue})
+	run, err := runs.Start(ctx, e.c, runs.StartOptions{Spec: p, TaskQueue: e.queue})
 	if err != nil {
 		b.Fatal(err)
 	}

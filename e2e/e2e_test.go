@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
@@ -101,12 +101,12 @@ func TestWorkerSIGKILLDuringStep(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	defer c.Close()
 	queue := "kill-test"
 	w1 := startWorker(t, bin, srv.Address, queue, filepath.Join(dir, "logs"))
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
 	waitFor(t, time.Minute, "step long to start", func() bool {
@@ -133,7 +133,7 @@ func TestWorkerSIGKILLDuringStep(t *testing.T) {
 		"finish start 1 got 14", "finish end 1",
 	}, got)
 
-	st, err := launch.GetStatus(ctx, c, run.GetID(), "")
+	st, err := runs.GetStatus(ctx, c, run.GetID(), "")
 	require.NoError(t, err)
 	assert.Equal(t, "Completed", st.Execution)
 	steps := map[string]int{}

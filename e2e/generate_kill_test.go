@@ -16,7 +16,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
@@ -85,12 +85,12 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	defer c.Close()
 	queue := "generate-kill"
 	w1 := startWorker(t, bin, srv.Address, queue, logDir, "--data-dir", dataDir)
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
 	waitFor(t, time.Minute, "the double to serve 40% of the prompts", func() bool {
@@ -127,7 +127,7 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 	assert.GreaterOrEqual(t, resumed, float64(prompts*3/10), "attempt 2 resumed too few of attempt 1's prompts")
 	assert.LessOrEqual(t, resumed, float64(atKill.Completions/n), "resumed more prompts than were served before the kill")
 
-	st, err := launch.GetStatus(ctx, c, run.GetID(), "")
+	st, err := runs.GetStatus(ctx, c, run.GetID(), "")
 	require.NoError(t, err)
 	assert.Equal(t, "Completed", st.Execution)
 	require.Len(t, st.Steps, 1, "status: %+v", st)

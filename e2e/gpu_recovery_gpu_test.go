@@ -42,7 +42,7 @@ import (
 
 	"github.com/rlflow/rlflow/internal/devtest"
 	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
@@ -508,7 +508,7 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 			t.Logf("saving the receiver's report: %v", err)
 		}
 	})
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	defer c.Close()
 
@@ -524,7 +524,7 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 		return cmd, startInGroup(t, cmd, f), p
 	}
 	gpu1, out1, log1 := startGPU(1)
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 	t.Logf("run %s started", run.GetID())
 

@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
@@ -292,14 +292,14 @@ func TestGPUWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	srv := devtest.Server(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	defer c.Close()
 	queue := "gpu-recovery"
 	logs := filepath.Join(dir, "logs")
 	startWorker(t, bin, srv.Address, queue, logs)
 	gpu1, out1 := startGPUWorker(t, bin, srv.Address, logs)
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
 	// Kill the GPU worker once the double is inside iteration 1's

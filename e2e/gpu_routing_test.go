@@ -12,7 +12,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/rlflow/rlflow/workflows"
@@ -45,7 +45,7 @@ type simGPUWorker struct {
 
 func startSimGPUWorker(t *testing.T, address, name string, hold time.Duration) *simGPUWorker {
 	t.Helper()
-	c, err := launch.Connect(context.Background(), address, "default")
+	c, err := runs.Connect(context.Background(), address, "default")
 	require.NoError(t, err)
 	g := &simGPUWorker{
 		name: name, queue: fmt.Sprintf("%s/%s/%d", workflows.DefaultGPUTaskQueue, name, time.Now().UnixNano()),
@@ -114,7 +114,7 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	srv := devtest.Server(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	defer c.Close()
 
@@ -152,7 +152,7 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	}
 
 	g1 := startSimGPUWorker(t, srv.Address, "g1", 300*time.Millisecond)
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, TaskQueue: queue})
 	require.NoError(t, err)
 
 	waitOn(ctx, t, g1.started, "g1's broadcast to start")

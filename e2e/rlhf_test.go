@@ -13,7 +13,7 @@ import (
 	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/internal/devtest"
 	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
@@ -70,12 +70,12 @@ func runDemo(t *testing.T, iterations int, ds ...*rlhfDouble) (*workflows.Pipeli
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	t.Cleanup(cancel)
-	c, err := launch.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, srv.Address, "default")
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 	queue := "rlhf-" + t.Name()
 	startWorker(t, bin, srv.Address, queue, filepath.Join(work, "logs"), "--data-dir", filepath.Join(work, "data"))
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 	var res workflows.PipelineResult
 	if err := run.Get(ctx, &res); err != nil {

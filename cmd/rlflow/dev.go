@@ -11,7 +11,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/devserver"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/worker"
@@ -97,7 +97,7 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				defer srv.Stop()
 				fmt.Fprintf(out, "Temporal dev server on %s, UI at %s\n", srv.Address, srv.UIURL)
 			}
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}

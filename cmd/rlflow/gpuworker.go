@@ -9,7 +9,7 @@ import (
 	"os"
 
 	"github.com/rlflow/rlflow/gpu"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/plan"
 	"github.com/rlflow/rlflow/worker"
@@ -124,7 +124,7 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags) error {
 		return err
 	}
 	defer tr.Close()
-	c, err := launch.Connect(ctx, g.address, g.namespace)
+	c, err := runs.Connect(ctx, g.address, g.namespace)
 	if err != nil {
 		return err
 	}

@@ -7,7 +7,7 @@ import (
 	"os"
 	"strings"
 
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/spf13/cobra"
@@ -62,7 +62,7 @@ same paths as the pipeline's base_dir.`,
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
@@ -85,16 +85,16 @@ func startAndFollow(ctx context.Context, c client.Client, g *globalFlags, spec *
 // startAndFollowWith is startAndFollow with a hook called with each finished
 // iteration's result while it follows the run.
 func startAndFollowWith(ctx context.Context, c client.Client, g *globalFlags, spec *pipelines.Pipeline, params map[string]any, id, ui string, wait bool, out io.Writer, onIteration func(workflows.IterationResult)) error {
-	sa, saErr := launch.EnsureSearchAttributes(ctx, c, g.namespace)
+	sa, saErr := runs.EnsureSearchAttributes(ctx, c, g.namespace)
 	if saErr != nil {
 		fmt.Fprintf(os.Stderr, "warning: search attributes unavailable, runs will not be filterable by pipeline: %v\n", saErr)
 	}
-	run, err := launch.Start(ctx, c, launch.StartOptions{Spec: spec, Params: params, TaskQueue: g.taskQueue, ID: id, SearchAttributes: sa})
+	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: g.taskQueue, ID: id, SearchAttributes: sa})
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "started %s\n  workflow id: %s\n  run id:      %s\n  ui:          %s\n", spec.Name, run.GetID(), run.GetRunID(),
-		launch.UIURL(ui, g.namespace, run.GetID(), run.GetRunID()))
+		runs.UIURL(ui, g.namespace, run.GetID(), run.GetRunID()))
 	if !wait {
 		return nil
 	}
@@ -106,7 +106,7 @@ func startAndFollowWith(ctx context.Context, c client.Client, g *globalFlags, sp
 	if spec.Loop.Until != "" {
 		total = spec.Loop.MaxIterations
 	}
-	res, err := launch.Watch(ctx, c, run, launch.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration})
+	res, err := runs.Watch(ctx, c, run, runs.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration})
 	if err != nil {
 		return &exitError{code: 1, err: fmt.Errorf("run %s failed: %w", run.GetID(), err)}
 	}
@@ -122,19 +122,19 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
-			st, err := launch.GetStatus(ctx, c, args[0], "")
+			st, err := runs.GetStatus(ctx, c, args[0], "")
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
 			if asJSON {
 				return writeJSON(cmd.OutOrStdout(), st)
 			}
-			launch.PrintStatus(cmd.OutOrStdout(), st)
+			runs.PrintStatus(cmd.OutOrStdout(), st)
 			return nil
 		},
 	}

@@ -7,7 +7,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/spf13/cobra"
 	"go.temporal.io/sdk/client"
 )
@@ -30,13 +30,13 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
-			sa, _ := launch.EnsureSearchAttributes(ctx, c, g.namespace)
-			if err := launch.CreateSchedule(ctx, c, launch.ScheduleOptions{
+			sa, _ := runs.EnsureSearchAttributes(ctx, c, g.namespace)
+			if err := runs.CreateSchedule(ctx, c, runs.ScheduleOptions{
 				ID: args[0], Spec: spec, Params: values, Cron: cron, Every: every, TaskQueue: g.taskQueue,
 				AllowOverlap: allowOverlap, Paused: paused, SearchAttributes: sa,
 			}); err != nil {
@@ -59,12 +59,12 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
-			items, err := launch.ListSchedules(ctx, c)
+			items, err := runs.ListSchedules(ctx, c)
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
@@ -81,10 +81,10 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 		},
 	}
 	del := idCommand(g, "delete SCHEDULE_ID", "Delete a schedule (runs it started go on)",
-		func(ctx context.Context, c client.Client, id string) error { return launch.DeleteSchedule(ctx, c, id) },
+		func(ctx context.Context, c client.Client, id string) error { return runs.DeleteSchedule(ctx, c, id) },
 		"schedule %s deleted")
 	trigger := idCommand(g, "trigger SCHEDULE_ID", "Start a run of the schedule now",
-		func(ctx context.Context, c client.Client, id string) error { return launch.TriggerSchedule(ctx, c, id) },
+		func(ctx context.Context, c client.Client, id string) error { return runs.TriggerSchedule(ctx, c, id) },
 		"schedule %s triggered")
 	cmd.AddCommand(create, list, del, trigger)
 	return cmd

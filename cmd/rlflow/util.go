@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/spf13/cobra"
 	"go.temporal.io/sdk/client"
 )
@@ -26,7 +26,7 @@ func idCommand(g *globalFlags, use, short string, act func(ctx context.Context, 
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}

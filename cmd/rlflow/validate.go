@@ -5,7 +5,7 @@ import (
 	"os"
 	"strings"
 
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/spf13/cobra"
 )
@@ -48,9 +48,9 @@ func newGraphCmd() *cobra.Command {
 			}
 			switch format {
 			case "mermaid":
-				fmt.Fprint(cmd.OutOrStdout(), launch.Mermaid(p))
+				fmt.Fprint(cmd.OutOrStdout(), runs.Mermaid(p))
 			case "dot":
-				fmt.Fprint(cmd.OutOrStdout(), launch.DOT(p))
+				fmt.Fprint(cmd.OutOrStdout(), runs.DOT(p))
 			default:
 				return &exitError{code: 2, err: fmt.Errorf("--format: want mermaid or dot, got %q", format)}
 			}

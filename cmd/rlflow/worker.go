@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/launch"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
 )
@@ -47,7 +47,7 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 			if err != nil {
 				return err
 			}
-			c, err := launch.Connect(ctx, g.address, g.namespace)
+			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}

@@ -1,10 +1,10 @@
-// Package launch starts, watches and controls pipeline runs through a
+// Package runs starts, watches and controls pipeline runs through a
 // Temporal client: what the CLI's run/status/cancel/schedule commands do.
 //
 // Invariant: a run's spec is loaded and validated here, before anything is
 // sent to Temporal, and then travels frozen in the workflow input; the
 // worker never re-reads the file for that run.
-package launch
+package runs
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package launch
+package runs
 
 // quietLogger drops the SDK's client-side logs; the CLI reports what matters.
 type quietLogger struct{}
