@@ -13,8 +13,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"

@@ -12,7 +12,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/rlflow/rlflow/internal/jsonscalar"
 	"github.com/rlflow/rlflow/vllm"
 )
 
@@ -96,7 +95,7 @@ func parsePrompt(b []byte, line int, wantAnswer bool) (prompt, error) {
 		return p, fmt.Errorf("not a JSON object: %v", err)
 	}
 	if raw, ok := obj["id"]; ok && !isNullJSON(raw) {
-		id, ok := jsonscalar.Text(raw)
+		id, ok := vllm.ScalarText(raw)
 		if !ok || id == "" {
 			return p, fmt.Errorf("id must be a non-empty string or a number, got %s", clipJSON(raw))
 		}
@@ -139,7 +138,7 @@ func parsePrompt(b []byte, line int, wantAnswer bool) (prompt, error) {
 		if !ok || isNullJSON(raw) {
 			return p, fmt.Errorf("has no \"answer\" (an eval set needs one per line)")
 		}
-		if _, ok := jsonscalar.Text(raw); !ok {
+		if _, ok := vllm.ScalarText(raw); !ok {
 			return p, fmt.Errorf("answer must be a string or a number, got %s", clipJSON(raw))
 		}
 		p.answer = append(json.RawMessage(nil), raw...)

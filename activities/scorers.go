@@ -14,7 +14,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/jsonscalar"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )
@@ -74,7 +73,7 @@ func boolScore(ok bool) *float64 {
 
 // answerText is a sample's answer as text (a JSON number's digits).
 func answerText(p *prompt) string {
-	s, _ := jsonscalar.Text(p.answer)
+	s, _ := vllm.ScalarText(p.answer)
 	return s
 }
 

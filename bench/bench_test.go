@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"go.temporal.io/sdk/client"
 )
@@ -27,7 +27,7 @@ type env struct {
 
 func setup(b *testing.B) *env {
 	b.Helper()
-	srv := devtest.Server(b)
+	srv := testutil.DevServer(b)
 	ctx := context.Background()
 	c, err := runs.Connect(ctx, srv.Address, "default")
 	if err != nil {

@@ -14,9 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -75,21 +75,9 @@ func startWorker(t *testing.T, bin, addr, queue, logDir string, extra ...string)
 	return cmd
 }
 
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		if cond() {
-			return
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("timed out after %s waiting for %s", timeout, what)
-}
-
 func TestWorkerSIGKILLDuringStep(t *testing.T) {
-	srv := devtest.Server(t)
-	bin := devtest.RlflowBinary(t)
+	srv := testutil.DevServer(t)
+	bin := testutil.RlflowBinary(t)
 	dir := t.TempDir()
 	marker := filepath.Join(dir, "marker")
 	file := filepath.Join(dir, "kill.yaml")
@@ -109,7 +97,7 @@ func TestWorkerSIGKILLDuringStep(t *testing.T) {
 	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
-	waitFor(t, time.Minute, "step long to start", func() bool {
+	testutil.Eventually(t, time.Minute, "step long to start", func() bool {
 		b, _ := os.ReadFile(marker)
 		return strings.Contains(string(b), "long start 1")
 	})

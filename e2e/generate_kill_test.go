@@ -15,9 +15,9 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
@@ -53,8 +53,8 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 		n           = 1
 		concurrency = 16
 	)
-	srv := devtest.Server(t)
-	bin := devtest.RlflowBinary(t)
+	srv := testutil.DevServer(t)
+	bin := testutil.RlflowBinary(t)
 
 	d, err := double.New(double.Config{DevMode: true, Latency: 20 * time.Millisecond, MaxConcurrent: concurrency})
 	require.NoError(t, err)
@@ -93,7 +93,7 @@ func TestGenerateWorkerSIGKILLResumes(t *testing.T) {
 	run, err := runs.Start(ctx, c, runs.StartOptions{Spec: spec, Params: params, TaskQueue: queue})
 	require.NoError(t, err)
 
-	waitFor(t, time.Minute, "the double to serve 40% of the prompts", func() bool {
+	testutil.Eventually(t, time.Minute, "the double to serve 40% of the prompts", func() bool {
 		return d.Stats().Completions >= prompts*n*4/10
 	})
 	require.NoError(t, syscall.Kill(-w1.Process.Pid, syscall.SIGKILL))

@@ -40,12 +40,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
+	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -168,7 +168,7 @@ func rlflowBin(t *testing.T) string {
 	t.Helper()
 	p := os.Getenv("RLFLOW_BIN")
 	if p == "" {
-		return devtest.RlflowBinary(t)
+		return testutil.RlflowBinary(t)
 	}
 	abs, err := filepath.Abs(p)
 	require.NoError(t, err)
@@ -183,7 +183,7 @@ func rlflowBin(t *testing.T) string {
 // tree the test was built from.
 func receiverScriptPath(t *testing.T) string {
 	t.Helper()
-	for _, d := range []string{os.Getenv("RLFLOW_GPU_SCRIPTS"), "../tests/gpu", "tests/gpu", filepath.Join(devtest.ModuleRoot(), "tests", "gpu")} {
+	for _, d := range []string{os.Getenv("RLFLOW_GPU_SCRIPTS"), "../tests/gpu", "tests/gpu", filepath.Join(testutil.ModuleRoot(), "tests", "gpu")} {
 		if d == "" {
 			continue
 		}
@@ -444,7 +444,7 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	// What can be checked without a GPU runs first, so that a broken
 	// pipeline or a missing receiver shows on a CPU machine too.
 	script := receiverScriptPath(t)
-	port := gputest.FreePort(t)
+	port := testutil.FreePort(t)
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	dir := t.TempDir()
 	ckptRoot := filepath.Join(dir, "ckpt")
@@ -487,7 +487,7 @@ func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 
 	// The dev server first: without the Temporal CLI the test skips before
 	// writing 2.6 GB.
-	srv := devtest.Server(t)
+	srv := testutil.DevServer(t)
 	t0 := time.Now()
 	want := map[int]map[string]string{}
 	var ckptBytes int64

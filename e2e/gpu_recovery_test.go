@@ -17,10 +17,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/devtest"
+	"github.com/rlflow/rlflow/internal/testutil"
+	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/safetensors"
-	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 	"github.com/rlflow/rlflow/workflows"
@@ -287,9 +287,9 @@ func TestGPUWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	params, err := spec.ResolveParams(map[string]string{"ckpt_root": ckptRoot})
 	require.NoError(t, err)
 
-	bin := devtest.RlflowBinary(t)
+	bin := testutil.RlflowBinary(t)
 	requireGPUWorkerCommand(t, bin)
-	srv := devtest.Server(t)
+	srv := testutil.DevServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	c, err := runs.Connect(ctx, srv.Address, "default")

@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
@@ -111,7 +111,7 @@ func (g *simGPUWorker) kill() {
 // RLFLOW_RECORD_HISTORY=DIR to write the iteration histories for the replay
 // test.
 func TestGPURoutingOnDevServer(t *testing.T) {
-	srv := devtest.Server(t)
+	srv := testutil.DevServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	c, err := runs.Connect(ctx, srv.Address, "default")

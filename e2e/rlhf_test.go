@@ -11,10 +11,9 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/devserver"
-	"github.com/rlflow/rlflow/internal/devtest"
-	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 	"github.com/rlflow/rlflow/workflows"
@@ -53,9 +52,9 @@ func (d *rlhfDouble) isPaused(t *testing.T) bool {
 // returns the run's result or error.
 func runDemo(t *testing.T, iterations int, ds ...*rlhfDouble) (*workflows.PipelineResult, string, error) {
 	t.Helper()
-	srv := devtest.Server(t)
-	bin := devtest.RlflowBinary(t)
-	spec, err := pipelines.LoadFile(filepath.Join(devtest.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
+	srv := testutil.DevServer(t)
+	bin := testutil.RlflowBinary(t)
+	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
 	require.NoError(t, err)
 	work := t.TempDir()
 	require.NoError(t, pipelines.CopyExampleData(work))
@@ -155,11 +154,11 @@ func TestDevRunsTheRLHFDemo(t *testing.T) {
 		}
 		t.Skipf("needs the Temporal dev server: %v", err)
 	}
-	bin := devtest.RlflowBinary(t)
+	bin := testutil.RlflowBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin, "dev", "--exit", "--no-build", "--temporal", temporal,
-		"--address", fmt.Sprintf("127.0.0.1:%d", gputest.FreePort(t)), "--ui-port", fmt.Sprint(gputest.FreePort(t)), "--state-dir", t.TempDir())
+		"--address", fmt.Sprintf("127.0.0.1:%d", testutil.FreePort(t)), "--ui-port", fmt.Sprint(testutil.FreePort(t)), "--state-dir", t.TempDir())
 	out, err := cmd.CombinedOutput()
 	t.Logf("rlflow dev output:\n%s", out)
 	require.NoError(t, err)

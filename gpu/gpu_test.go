@@ -36,9 +36,10 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/internal/gputest"
-	"github.com/rlflow/rlflow/safetensors"
+	"github.com/rlflow/rlflow/internal/testutil"
+	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm"
 )
 
@@ -127,7 +128,7 @@ func startReceiver(ctx context.Context, t *testing.T, pl gputest.Placement, i in
 	if py == "" {
 		py = "python3"
 	}
-	port := gputest.FreePort(t)
+	port := testutil.FreePort(t)
 	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(pl.Device(i + 1)), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)
 	env := pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", i+1))

@@ -12,9 +12,9 @@ import (
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/plan"
-	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm"
 	"go.temporal.io/sdk/activity"
 )

@@ -16,9 +16,9 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/nccl"
-	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"

@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
-	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/nccl/staging"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm"
 )
 

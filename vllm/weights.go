@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"path/filepath"
-
-	"github.com/rlflow/rlflow/internal/jsonscalar"
 )
 
 // InitInfo is the trainer's side of init_weight_transfer_engine. Which
@@ -309,7 +307,7 @@ func (c *Client) WeightInfo(ctx context.Context) (string, error) {
 	if string(raw) == "null" {
 		return "", nil
 	}
-	if s, ok := jsonscalar.Text(raw); ok {
+	if s, ok := ScalarText(raw); ok {
 		return s, nil
 	}
 	return "", c.errorf(cl, http.StatusOK, nil, "weight_version %s is neither a string nor a number", clip(string(raw)))

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/rlflow/rlflow/internal/demotrain"
+	"github.com/rlflow/rlflow/vllm/double/demotrain"
 	"github.com/spf13/cobra"
 )
 

@@ -11,8 +11,8 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/devserver"
-	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"

@@ -5,8 +5,8 @@ import (
 	"io"
 	"strings"
 
-	"github.com/rlflow/rlflow/internal/demotrain"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/vllm/double/demotrain"
 	"github.com/rlflow/rlflow/workflows"
 )
 

@@ -9,9 +9,9 @@ import (
 	"os"
 
 	"github.com/rlflow/rlflow/gpu"
-	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/plan"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
 )

@@ -7,8 +7,8 @@ import (
 	"os"
 	"strings"
 
-	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/spf13/cobra"
 	"go.temporal.io/sdk/client"

@@ -5,8 +5,8 @@ import (
 	"os"
 	"strings"
 
-	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/runs"
 	"github.com/spf13/cobra"
 )
 

@@ -6,9 +6,10 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/rlflow/rlflow/internal/testutil"
 )
 
 // goldenHex is CPython's pickle.dumps(ncclUniqueId, protocol=4) of the id
@@ -147,31 +148,6 @@ func TestB64(t *testing.T) {
 	}
 }
 
-// findRepoFile walks up from the working directory to find rel, so that the
-// test works under go test (package directory) and as a compiled test binary
-// run from the repository root. RLFLOW_REPO_ROOT overrides the search.
-func findRepoFile(t *testing.T, rel string) string {
-	t.Helper()
-	if root := os.Getenv("RLFLOW_REPO_ROOT"); root != "" {
-		return filepath.Join(root, rel)
-	}
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		p := filepath.Join(dir, rel)
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatalf("%s not found above the working directory (set RLFLOW_REPO_ROOT)", rel)
-		}
-		dir = parent
-	}
-}
-
 func python(t *testing.T) string {
 	t.Helper()
 	py := os.Getenv("RLFLOW_PYTHON")
@@ -192,7 +168,7 @@ func python(t *testing.T) string {
 // pickle module, both directions.
 func TestCPython(t *testing.T) {
 	py := python(t)
-	script := findRepoFile(t, "tests/gpu/check_pickle.py")
+	script := testutil.RepoFile(t, "tests/gpu/check_pickle.py")
 	run := func(args ...string) string {
 		t.Helper()
 		out, err := exec.Command(py, append([]string{script}, args...)...).CombinedOutput()

@@ -14,7 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/gputest"
+	"github.com/rlflow/rlflow/internal/testutil"
+	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 )
@@ -650,7 +651,7 @@ func TestGPUBenchE2E(t *testing.T) {
 	t.Logf("go: %.3fs end to end; %v", goSecs, res)
 
 	// PyTorch.
-	port := strconv.Itoa(gputest.FreePort(t))
+	port := strconv.Itoa(testutil.FreePort(t))
 	tr, rcs := torchRanks(t, pl, []string{"--mode", "e2e", "--init", "tcp://127.0.0.1:" + port, "--meta", meta})
 	tres, err := tr.finish(ctx)
 	if err != nil || tres["verdict"] != "PASS" {
@@ -780,7 +781,7 @@ func rawGo(t *testing.T, lib nccl.API, pl gputest.Placement, size, reps int) flo
 func rawTorch(t *testing.T, pl gputest.Placement, size, reps int) float64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	port := strconv.Itoa(gputest.FreePort(t))
+	port := strconv.Itoa(testutil.FreePort(t))
 	tr, rcs := torchRanks(t, pl, []string{"--mode", "raw", "--init", "tcp://127.0.0.1:" + port,
 		"--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps)}, "--verify")
 	tres, err := tr.finish(ctx)

@@ -40,7 +40,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/internal/gputest"
+	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 )

@@ -142,14 +142,3 @@ func (s *Server) numWaiting(key string) int {
 	defer s.mu.Unlock()
 	return len(s.waiters[key])
 }
-
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}

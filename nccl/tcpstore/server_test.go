@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/nccl/ncclid"
 )
 
@@ -58,7 +59,7 @@ func TestTorchTranscript(t *testing.T) {
 			expect(t, c, hx(t, `0100000000000000`))
 			m.send(t, c, hx(t, tWait))
 			expectNothing(t, c, 100*time.Millisecond) // deferred until the key exists
-			eventually(t, "the WAIT to register", func() bool { return s.numWaiting(UniqueIDKey) == 1 })
+			testutil.Eventually(t, 5*time.Second, "the WAIT to register", func() bool { return s.numWaiting(UniqueIDKey) == 1 })
 			s.Set(UniqueIDKey, pickle)
 			expect(t, c, hx(t, `00`))
 			m.send(t, c, hx(t, tGet))
@@ -299,7 +300,7 @@ func TestCancelWait(t *testing.T) {
 		c := rawDial(t, s)
 		write(t, c, hx(t, tValidate))
 		write(t, c, hx(t, `06 0100000000000000 0200000000000000 "/y"`))
-		eventually(t, "wait", func() bool { return s.numWaiting("/y") == 1 })
+		testutil.Eventually(t, 5*time.Second, "wait", func() bool { return s.numWaiting("/y") == 1 })
 		s.Set("/y", []byte("v"))
 		write(t, c, hx(t, `0c`))
 		expect(t, c, hx(t, `00 01`))
@@ -364,7 +365,7 @@ func TestWaitSemantics(t *testing.T) {
 	expect(t, c, hx(t, `00`))
 	// APPEND and COMPARE_SET creating a key wake waiters.
 	write(t, c, hx(t, `06 0200000000000000 0200000000000000 "/r" 0200000000000000 "/s"`))
-	eventually(t, "wait", func() bool { return s.numWaiting("/s") == 1 })
+	testutil.Eventually(t, 5*time.Second, "wait", func() bool { return s.numWaiting("/s") == 1 })
 	other.Append(ctx, "/r", []byte("x"))
 	if _, err := other.CompareSet(ctx, "/s", nil, []byte("y")); err != nil {
 		t.Fatal(err)
@@ -413,7 +414,7 @@ func TestLimitsAndGarbage(t *testing.T) {
 		defer cancel()
 		waitDone <- good.Wait(ctx, "/release")
 	}()
-	eventually(t, "the good wait", func() bool { return s.numWaiting("/release") == 1 })
+	testutil.Eventually(t, 5*time.Second, "the good wait", func() bool { return s.numWaiting("/release") == 1 })
 	idle := rawDial(t, s)
 	write(t, idle, hx(t, tValidate))
 	for _, tc := range tests {
@@ -426,7 +427,7 @@ func TestLimitsAndGarbage(t *testing.T) {
 			expectClosed(t, c)
 		})
 	}
-	eventually(t, "bad connections to go", func() bool { return s.numConns() == 2 })
+	testutil.Eventually(t, 5*time.Second, "bad connections to go", func() bool { return s.numConns() == 2 })
 	other := dial(t, s)
 	ctx := ctx5(t)
 	if err := other.Set(ctx, "/release", []byte("ok")); err != nil {
@@ -496,7 +497,7 @@ func TestMaxConns(t *testing.T) {
 		t.Fatal(err)
 	}
 	b.Close()
-	eventually(t, "a free slot", func() bool { return s.numConns() == 1 })
+	testutil.Eventually(t, 5*time.Second, "a free slot", func() bool { return s.numConns() == 1 })
 	dial(t, s)
 }
 
@@ -523,7 +524,7 @@ func TestSlowReaderIsClosed(t *testing.T) {
 			}
 		}
 	}()
-	eventually(t, "the slow reader to be dropped", func() bool { return s.numConns() == 1 })
+	testutil.Eventually(t, 5*time.Second, "the slow reader to be dropped", func() bool { return s.numConns() == 1 })
 	if err := setter.Ping(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -612,7 +613,7 @@ func TestCloseWaitsForEverything(t *testing.T) {
 		write(t, c, hx(t, tValidate+" "+tWait))
 		conns = append(conns, c)
 	}
-	eventually(t, "waits", func() bool { return s.numWaiting(UniqueIDKey) == 10 })
+	testutil.Eventually(t, 5*time.Second, "waits", func() bool { return s.numWaiting(UniqueIDKey) == 10 })
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -625,7 +626,7 @@ func TestCloseWaitsForEverything(t *testing.T) {
 	if _, err := net.Dial("tcp", s.Addr().String()); err == nil {
 		t.Fatal("still accepting")
 	}
-	eventually(t, "goroutines to exit", func() bool { return runtime.NumGoroutine() <= before })
+	testutil.Eventually(t, 5*time.Second, "goroutines to exit", func() bool { return runtime.NumGoroutine() <= before })
 }
 
 func TestContextShutsDown(t *testing.T) {

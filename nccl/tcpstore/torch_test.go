@@ -11,39 +11,14 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/nccl/ncclid"
 )
-
-// findRepoFile walks up from the working directory to rel, so the test runs
-// under go test (package directory) and as a compiled test binary started
-// from the repository root. RLFLOW_REPO_ROOT overrides the search.
-func findRepoFile(t *testing.T, rel string) string {
-	t.Helper()
-	if root := os.Getenv("RLFLOW_REPO_ROOT"); root != "" {
-		return filepath.Join(root, rel)
-	}
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		p := filepath.Join(dir, rel)
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatalf("%s not found above the working directory (set RLFLOW_REPO_ROOT)", rel)
-		}
-		dir = parent
-	}
-}
 
 // torchPython returns a python with torch >= 2, or skips.
 func torchPython(t *testing.T) string {
@@ -76,7 +51,7 @@ func torchPython(t *testing.T) string {
 // this server, playing rank 0's part from Go.
 func TestTorchClient(t *testing.T) {
 	py := torchPython(t)
-	script := findRepoFile(t, "tests/gpu/tcpstore_torch_client.py")
+	script := testutil.RepoFile(t, "tests/gpu/tcpstore_torch_client.py")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	s, err := Listen(ctx, "127.0.0.1:0", Options{})

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
@@ -472,18 +473,6 @@ func (s *testServer) asyncComplete(body string) <-chan completion {
 	return ch
 }
 
-// waitInflight waits until the double has admitted n sequences (requests counted).
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func received(s *testServer, n int) func() bool {
 	return func() bool { return s.Stats().Requests["POST /v1/completions"] >= n }
 }
@@ -494,7 +483,7 @@ func TestPauseAbort(t *testing.T) {
 	s := start(t, double.Config{DevMode: true, Latency: 400 * time.Millisecond})
 	full := s.complete(slowReq).Choices[0]
 	inflight := s.asyncComplete(slowReq)
-	waitFor(t, "request received", received(s, 2))
+	testutil.Eventually(t, 5*time.Second, "request received", received(s, 2))
 	time.Sleep(100 * time.Millisecond) // about a quarter served
 	s.ok("POST", "/pause?mode=abort", "")
 	got, ok := <-inflight
@@ -505,7 +494,7 @@ func TestPauseAbort(t *testing.T) {
 
 	// New requests wait for resume (vLLM blocks new requests while paused).
 	queued := s.asyncComplete(slowReq)
-	waitFor(t, "queued request received", received(s, 3))
+	testutil.Eventually(t, 5*time.Second, "queued request received", received(s, 3))
 	select {
 	case <-queued:
 		t.Fatal("a request completed while paused")
@@ -525,7 +514,7 @@ func TestPauseAbort(t *testing.T) {
 func TestPauseWait(t *testing.T) {
 	s := start(t, double.Config{DevMode: true, Latency: 300 * time.Millisecond})
 	inflight := s.asyncComplete(slowReq)
-	waitFor(t, "request received", received(s, 1))
+	testutil.Eventually(t, 5*time.Second, "request received", received(s, 1))
 	time.Sleep(20 * time.Millisecond)
 	t0 := time.Now()
 	s.ok("POST", "/pause?mode=wait", "")
@@ -547,7 +536,7 @@ func TestPauseWait(t *testing.T) {
 func TestPauseKeep(t *testing.T) {
 	s := start(t, double.Config{DevMode: true, Latency: 300 * time.Millisecond})
 	inflight := s.asyncComplete(slowReq)
-	waitFor(t, "request received", received(s, 1))
+	testutil.Eventually(t, 5*time.Second, "request received", received(s, 1))
 	time.Sleep(50 * time.Millisecond)
 	s.ok("POST", "/pause?mode=keep", "")
 	select {
@@ -568,7 +557,7 @@ func TestPauseKeep(t *testing.T) {
 func TestAbortRequests(t *testing.T) {
 	s := start(t, double.Config{DevMode: true, Latency: time.Second})
 	inflight := s.asyncComplete(slowReq)
-	waitFor(t, "request received", received(s, 1))
+	testutil.Eventually(t, 5*time.Second, "request received", received(s, 1))
 	time.Sleep(50 * time.Millisecond)
 	assert.JSONEq(t, `{"message":"Requests aborted","aborted":1}`, s.ok("POST", "/abort_requests", ""))
 	c := <-inflight
@@ -636,7 +625,7 @@ func TestListenAndServe(t *testing.T) {
 	ln.Close()
 	done := make(chan error, 1)
 	go func() { done <- s.ListenAndServe(ctx, addr) }()
-	waitFor(t, "server up", func() bool {
+	testutil.Eventually(t, 5*time.Second, "server up", func() bool {
 		resp, err := http.Get("http://" + addr + "/health")
 		if err == nil {
 			resp.Body.Close()

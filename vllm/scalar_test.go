@@ -1,11 +1,11 @@
-package jsonscalar
+package vllm
 
 import (
 	"encoding/json"
 	"testing"
 )
 
-func TestText(t *testing.T) {
+func TestScalarText(t *testing.T) {
 	for _, c := range []struct {
 		raw  string
 		want string
@@ -22,9 +22,9 @@ func TestText(t *testing.T) {
 		{`"unterminated`, "", false},
 		{``, "", false},
 	} {
-		got, ok := Text(json.RawMessage(c.raw))
+		got, ok := ScalarText(json.RawMessage(c.raw))
 		if got != c.want || ok != c.ok {
-			t.Errorf("Text(%s) = %q, %v; want %q, %v", c.raw, got, ok, c.want, c.ok)
+			t.Errorf("ScalarText(%s) = %q, %v; want %q, %v", c.raw, got, ok, c.want, c.ok)
 		}
 	}
 }

@@ -32,7 +32,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/rlflow/rlflow/internal/jsonscalar"
+	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 
@@ -287,7 +287,7 @@ func ReadPrompts(path string) (map[string]string, error) {
 		}
 		id := strconv.Itoa(n)
 		if len(l.ID) > 0 && string(l.ID) != "null" {
-			s, ok := jsonscalar.Text(l.ID)
+			s, ok := vllm.ScalarText(l.ID)
 			if !ok {
 				return fmt.Errorf("id must be a string or a number, got %s", l.ID)
 			}

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/rlflow/rlflow/internal/devtest"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -16,7 +16,7 @@ import (
 
 func demoCorpus(t *testing.T) *Corpus {
 	t.Helper()
-	c, err := LoadCorpus(filepath.Join(devtest.ModuleRoot(), "pipelines/examples/data/corpus.txt"))
+	c, err := LoadCorpus(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/data/corpus.txt"))
 	require.NoError(t, err)
 	return c
 }
@@ -129,7 +129,7 @@ func TestRunWritesACheckpointTheDoubleCanLoad(t *testing.T) {
 	rs := filepath.Join(dir, "rollouts.jsonl")
 	require.NoError(t, os.WriteFile(ps, []byte(strings.Join(pl, "\n")+"\n"), 0o644))
 	require.NoError(t, os.WriteFile(rs, []byte(strings.Join(rl, "\n")+"\n"), 0o644))
-	files := Files{Init: "random:0", Rollouts: rs, Prompts: ps, Corpus: filepath.Join(devtest.ModuleRoot(), "pipelines/examples/data/corpus.txt"), Out: filepath.Join(dir, "ckpt", "iter-1")}
+	files := Files{Init: "random:0", Rollouts: rs, Prompts: ps, Corpus: filepath.Join(testutil.ModuleRoot(), "pipelines/examples/data/corpus.txt"), Out: filepath.Join(dir, "ckpt", "iter-1")}
 	res, out, err := Run(files, Options{RewardWeight: DefaultRewardWeight})
 	require.NoError(t, err)
 	assert.Equal(t, filepath.Join(dir, "ckpt", "iter-1"), out)
