@@ -35,7 +35,7 @@ const (
 // Config configures a Transfer.
 type Config struct {
 	// API is NCCL and the CUDA runtime: *nccl.Library on a GPU host, or the
-	// nccl.Fake test double (tests, and rlflow worker --fake-nccl).
+	// nccltest.Fake test double (tests, and rlflow worker --fake-nccl).
 	API nccl.API
 	// Device is the CUDA ordinal of rank 0 (and of the staging buffers).
 	Device int

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/safetensors"
@@ -27,13 +28,13 @@ import (
 
 // receiver is a test double of a vLLM server's NCCL data plane for
 // vllm/double: every rank of the server is a real rank of the same
-// nccl.Fake the trainer uses, so the fake moves the trainer's bytes to it
+// nccltest.Fake the trainer uses, so the fake moves the trainer's bytes to it
 // and refuses any collective whose count or dtype differ between ranks.
 // It plans the wire sequence from update_info with its own few lines of
 // spec section 6 (not with nccl/plan), records every tensor it received,
 // and hands the double only the tensor its bigram model has.
 type receiver struct {
-	f *nccl.Fake
+	f *nccltest.Fake
 	// stall makes Init wait for its context instead of joining: a worker
 	// that reached the store but never joins NCCL.
 	stall bool
@@ -215,7 +216,7 @@ type server struct {
 
 type env struct {
 	t       *testing.T
-	f       *nccl.Fake
+	f       *nccltest.Fake
 	tr      *Transfer
 	servers []*server
 	fleet   vllm.Fleet
@@ -235,7 +236,7 @@ type envConfig struct {
 
 func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
-	e := &env{t: t, f: nccl.NewFake(nccl.FakeConfig{Devices: 8, DeviceMemory: 64 << 20})}
+	e := &env{t: t, f: nccltest.NewFake(nccltest.Config{Devices: 8, DeviceMemory: 64 << 20})}
 	for i, ws := range cfg.worldSizes {
 		r := &receiver{f: e.f}
 		dc := double.Config{Generation: cfg.gen, Backend: double.BackendNCCL, DevMode: true, WorldSize: ws,
@@ -488,10 +489,10 @@ func TestPoisonedGroupIsReinitialised(t *testing.T) {
 	// a socket closes.
 	var once sync.Once
 	next := len(e.f.Collectives(0)) // the index of the next broadcast's first chunk
-	e.f.OnCollective(func(c nccl.Call) nccl.Fault {
-		fault := nccl.Fault{}
+	e.f.OnCollective(func(c nccltest.Call) nccltest.Fault {
+		fault := nccltest.Fault{}
 		if c.Rank == 0 && c.Op == "Broadcast" && c.Index >= next+1 {
-			once.Do(func() { fault = nccl.Fault{Err: nccl.RemoteError, Delay: 5 * time.Millisecond} })
+			once.Do(func() { fault = nccltest.Fault{Err: nccl.RemoteError, Delay: 5 * time.Millisecond} })
 		}
 		return fault
 	})
@@ -576,12 +577,12 @@ func TestCancelMidBroadcast(t *testing.T) {
 	dir := t.TempDir()
 	stalled := make(chan struct{})
 	var once sync.Once
-	e.f.OnCollective(func(c nccl.Call) nccl.Fault {
+	e.f.OnCollective(func(c nccltest.Call) nccltest.Fault {
 		if c.Rank == 0 && c.Op == "Broadcast" && c.Index == 2 { // the second chunk
 			once.Do(func() { close(stalled) })
-			return nccl.Fault{Stall: true}
+			return nccltest.Fault{Stall: true}
 		}
-		return nccl.Fault{}
+		return nccltest.Fault{}
 	})
 	bctx, cancel := context.WithCancel(ctx)
 	go func() {

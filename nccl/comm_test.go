@@ -1,4 +1,4 @@
-package nccl
+package nccl_test
 
 import (
 	"bytes"
@@ -7,9 +7,12 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 )
 
-func newID(t *testing.T, f *Fake) UniqueID {
+func newID(t *testing.T, f *nccltest.Fake) nccl.UniqueID {
 	t.Helper()
 	id, err := f.GetUniqueID()
 	if err != nil {
@@ -19,15 +22,15 @@ func newID(t *testing.T, f *Fake) UniqueID {
 }
 
 // alloc makes a device buffer on the comm's thread and fills it with data.
-func fill(t *testing.T, c *Comm, data []byte) DevPtr {
+func fill(t *testing.T, c *nccl.Comm, data []byte) nccl.DevPtr {
 	t.Helper()
-	var p DevPtr
-	err := c.Device().Do(context.Background(), func(api API) error {
+	var p nccl.DevPtr
+	err := c.Device().Do(context.Background(), func(api nccl.API) error {
 		var err error
 		if p, err = api.Malloc(len(data)); err != nil {
 			return err
 		}
-		h, err := api.HostAlloc(len(data), HostAllocPortable)
+		h, err := api.HostAlloc(len(data), nccl.HostAllocPortable)
 		if err != nil {
 			return err
 		}
@@ -46,16 +49,16 @@ func fill(t *testing.T, c *Comm, data []byte) DevPtr {
 	return p
 }
 
-func free(t *testing.T, c *Comm, p DevPtr) {
+func free(t *testing.T, c *nccl.Comm, p nccl.DevPtr) {
 	t.Helper()
-	if err := c.Device().Do(context.Background(), func(api API) error { return api.Free(p) }); err != nil {
+	if err := c.Device().Do(context.Background(), func(api nccl.API) error { return api.Free(p) }); err != nil {
 		t.Fatal(err)
 	}
 }
 
-func checkOneThread(t *testing.T, calls []Call) {
+func checkOneThread(t *testing.T, calls []nccltest.Call) {
 	t.Helper()
-	threads := map[CommHandle]int{}
+	threads := map[nccl.CommHandle]int{}
 	for _, c := range calls {
 		if tid, ok := threads[c.Comm]; ok && tid != c.Thread {
 			t.Fatalf("%s on comm %#x ran on thread %d, earlier calls on %d", c.Op, c.Comm, c.Thread, tid)
@@ -65,15 +68,15 @@ func checkOneThread(t *testing.T, calls []Call) {
 }
 
 func TestCommInitWarmupBroadcastClose(t *testing.T) {
-	f := NewFake(FakeConfig{VirtualPeers: true, VirtualJoinDelay: 20 * time.Millisecond, KeepData: true})
+	f := nccltest.NewFake(nccltest.Config{VirtualPeers: true, VirtualJoinDelay: 20 * time.Millisecond, KeepData: true})
 	ctx := context.Background()
-	c, err := NewComm(ctx, f, 0, 3, 0, newID(t, f))
+	c, err := nccl.NewComm(ctx, f, 0, 3, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
 	payload := []byte("weights, 19 bytes!!")
 	p := fill(t, c, payload)
-	if err := c.Broadcast(ctx, p, len(payload), Uint8); err != nil {
+	if err := c.Broadcast(ctx, p, len(payload), nccl.Uint8); err != nil {
 		t.Fatal(err)
 	}
 	free(t, c, p)
@@ -83,7 +86,7 @@ func TestCommInitWarmupBroadcastClose(t *testing.T) {
 	if err := c.Close(ctx); err != nil {
 		t.Fatalf("second close: %v", err)
 	}
-	if err := c.Broadcast(ctx, p, 1, Uint8); !errors.Is(err, ErrClosed) {
+	if err := c.Broadcast(ctx, p, 1, nccl.Uint8); !errors.Is(err, nccl.ErrClosed) {
 		t.Fatalf("broadcast after close: %v, want ErrClosed", err)
 	}
 
@@ -101,10 +104,10 @@ func TestCommInitWarmupBroadcastClose(t *testing.T) {
 			t.Fatalf("calls %v, want %v", ops, want)
 		}
 	}
-	if ar := calls[1]; ar.Count != 1 || ar.DType != Float32 || ar.Bytes != 4 || ar.Index != 0 || ar.World != 3 {
+	if ar := calls[1]; ar.Count != 1 || ar.DType != nccl.Float32 || ar.Bytes != 4 || ar.Index != 0 || ar.World != 3 {
 		t.Errorf("warm-up %+v, want 1 x float32 as collective 0 of a 3-rank comm", ar)
 	}
-	if b := calls[2]; b.Count != len(payload) || b.DType != Uint8 || b.Root != 0 || b.Send != b.Recv || !bytes.Equal(b.Data, payload) {
+	if b := calls[2]; b.Count != len(payload) || b.DType != nccl.Uint8 || b.Root != 0 || b.Send != b.Recv || !bytes.Equal(b.Data, payload) {
 		t.Errorf("broadcast %+v, want %d x uint8 root 0 in place carrying %q", b, len(payload), payload)
 	}
 	checkOneThread(t, calls)
@@ -114,7 +117,7 @@ func TestCommInitWarmupBroadcastClose(t *testing.T) {
 }
 
 func TestTwoRanksMoveBytes(t *testing.T) {
-	f := NewFake(FakeConfig{Devices: 2, OpDelay: time.Millisecond})
+	f := nccltest.NewFake(nccltest.Config{Devices: 2, OpDelay: time.Millisecond})
 	id := newID(t, f)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -126,33 +129,33 @@ func TestTwoRanksMoveBytes(t *testing.T) {
 	wg.Add(1)
 	go func() { // the receiver, on device 1
 		defer wg.Done()
-		c, err := NewComm(ctx, f, 1, 2, 1, id)
+		c, err := nccl.NewComm(ctx, f, 1, 2, 1, id)
 		if err != nil {
 			rerr = err
 			return
 		}
 		defer c.Close(ctx)
-		var p DevPtr
-		if err := c.Device().Do(ctx, func(api API) error {
+		var p nccl.DevPtr
+		if err := c.Device().Do(ctx, func(api nccl.API) error {
 			p, err = api.Malloc(len(payload))
 			return err
 		}); err != nil {
 			rerr = err
 			return
 		}
-		if err := c.Broadcast(ctx, p, len(payload)/4, Int32); err != nil {
+		if err := c.Broadcast(ctx, p, len(payload)/4, nccl.Int32); err != nil {
 			rerr = err
 			return
 		}
 		got, rerr = f.DeviceBytes(p, len(payload))
-		_ = c.Device().Do(ctx, func(api API) error { return api.Free(p) })
+		_ = c.Device().Do(ctx, func(api nccl.API) error { return api.Free(p) })
 	}()
-	c, err := NewComm(ctx, f, 0, 2, 0, id)
+	c, err := nccl.NewComm(ctx, f, 0, 2, 0, id)
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := fill(t, c, payload)
-	if err := c.Broadcast(ctx, p, len(payload)/4, Int32); err != nil {
+	if err := c.Broadcast(ctx, p, len(payload)/4, nccl.Int32); err != nil {
 		t.Fatal(err)
 	}
 	wg.Wait()
@@ -178,11 +181,11 @@ func TestTwoRanksMoveBytes(t *testing.T) {
 }
 
 func TestPeerNeverJoins(t *testing.T) {
-	f := NewFake(FakeConfig{}) // no virtual peers: rank 1 never comes
+	f := nccltest.NewFake(nccltest.Config{}) // no virtual peers: rank 1 never comes
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err := NewComm(ctx, f, 0, 2, 0, newID(t, f))
+	_, err := nccl.NewComm(ctx, f, 0, 2, 0, newID(t, f))
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("got %v, want a deadline error", err)
 	}
@@ -199,13 +202,13 @@ func TestPeerNeverJoins(t *testing.T) {
 	t.Logf("error: %v", err)
 }
 
-func stallBroadcasts(f *Fake) {
-	f.OnCollective(func(c Call) Fault { return Fault{Stall: c.Op == "Broadcast"} })
+func stallBroadcasts(f *nccltest.Fake) {
+	f.OnCollective(func(c nccltest.Call) nccltest.Fault { return nccltest.Fault{Stall: c.Op == "Broadcast"} })
 }
 
 func TestBroadcastDeadlineAbortsAndPoisons(t *testing.T) {
-	f := NewFake(FakeConfig{VirtualPeers: true})
-	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	f := nccltest.NewFake(nccltest.Config{VirtualPeers: true})
+	c, err := nccl.NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,25 +216,25 @@ func TestBroadcastDeadlineAbortsAndPoisons(t *testing.T) {
 	stallBroadcasts(f)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	err = c.Broadcast(ctx, p, 64, Uint8)
-	if !errors.Is(err, ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
+	err = c.Broadcast(ctx, p, 64, nccl.Uint8)
+	if !errors.Is(err, nccl.ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("got %v, want ErrAborted wrapping the deadline", err)
 	}
 	n := len(f.Calls())
 	start := time.Now()
 	for _, call := range []func() error{
-		func() error { return c.Broadcast(context.Background(), p, 64, Uint8) },
-		func() error { return c.BroadcastAsync(context.Background(), p, 64, Uint8, Order{}) },
+		func() error { return c.Broadcast(context.Background(), p, 64, nccl.Uint8) },
+		func() error { return c.BroadcastAsync(context.Background(), p, 64, nccl.Uint8, nccl.Order{}) },
 		func() error { return c.Synchronize(context.Background()) },
 	} {
-		if err := call(); !errors.Is(err, ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
+		if err := call(); !errors.Is(err, nccl.ErrAborted) || !errors.Is(err, context.DeadlineExceeded) {
 			t.Fatalf("call on a poisoned comm: %v, want the original poison", err)
 		}
 	}
 	if time.Since(start) > time.Second || len(f.Calls()) != n {
 		t.Fatal("calls on a poisoned comm should fail fast without reaching NCCL")
 	}
-	if !errors.Is(c.Err(), ErrAborted) {
+	if !errors.Is(c.Err(), nccl.ErrAborted) {
 		t.Fatalf("Err() = %v", c.Err())
 	}
 	free(t, c, p)
@@ -246,10 +249,10 @@ func TestBroadcastDeadlineAbortsAndPoisons(t *testing.T) {
 
 // commWith8Bytes is rank 0 of 2 on a Fake with virtual peers and an
 // 8-byte device buffer, both released when the test ends.
-func commWith8Bytes(t *testing.T) (*Fake, *Comm, DevPtr) {
+func commWith8Bytes(t *testing.T) (*nccltest.Fake, *nccl.Comm, nccl.DevPtr) {
 	t.Helper()
-	f := NewFake(FakeConfig{VirtualPeers: true})
-	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	f := nccltest.NewFake(nccltest.Config{VirtualPeers: true})
+	c, err := nccl.NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,12 +266,12 @@ func commWith8Bytes(t *testing.T) (*Fake, *Comm, DevPtr) {
 
 // remoteErrorOnBroadcasts makes every broadcast raise ncclRemoteError
 // asynchronously after 10ms and stay stuck, as a dead peer does.
-func remoteErrorOnBroadcasts(f *Fake) {
-	f.OnCollective(func(c Call) Fault {
+func remoteErrorOnBroadcasts(f *nccltest.Fake) {
+	f.OnCollective(func(c nccltest.Call) nccltest.Fault {
 		if c.Op == "Broadcast" {
-			return Fault{Err: RemoteError, Delay: 10 * time.Millisecond}
+			return nccltest.Fault{Err: nccl.RemoteError, Delay: 10 * time.Millisecond}
 		}
-		return Fault{}
+		return nccltest.Fault{}
 	})
 }
 
@@ -276,11 +279,11 @@ func TestAsyncErrorAborts(t *testing.T) {
 	f, c, p := commWith8Bytes(t)
 	remoteErrorOnBroadcasts(f)
 	// No deadline: only the asynchronous error can end this wait.
-	err := c.Broadcast(context.Background(), p, 8, Uint8)
-	if !errors.Is(err, ErrAborted) || !errors.Is(err, RemoteError) {
+	err := c.Broadcast(context.Background(), p, 8, nccl.Uint8)
+	if !errors.Is(err, nccl.ErrAborted) || !errors.Is(err, nccl.RemoteError) {
 		t.Fatalf("got %v, want ErrAborted wrapping ncclRemoteError", err)
 	}
-	var e *Error
+	var e *nccl.Error
 	if !errors.As(err, &e) || e.Detail == "" {
 		t.Fatalf("want an *Error with NCCL's detail, got %v", err)
 	}
@@ -291,8 +294,8 @@ func TestAsyncErrorAborts(t *testing.T) {
 }
 
 func TestAbortFromAnotherGoroutine(t *testing.T) {
-	f := NewFake(FakeConfig{VirtualPeers: true})
-	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	f := nccltest.NewFake(nccltest.Config{VirtualPeers: true})
+	c, err := nccl.NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -300,8 +303,8 @@ func TestAbortFromAnotherGoroutine(t *testing.T) {
 	stallBroadcasts(f)
 	cause := errors.New("init_weight_transfer_engine answered 500")
 	time.AfterFunc(30*time.Millisecond, func() { c.Abort(cause) })
-	err = c.Broadcast(context.Background(), p, 8, Uint8)
-	if !errors.Is(err, ErrAborted) || !errors.Is(err, cause) {
+	err = c.Broadcast(context.Background(), p, 8, nccl.Uint8)
+	if !errors.Is(err, nccl.ErrAborted) || !errors.Is(err, cause) {
 		t.Fatalf("got %v, want ErrAborted wrapping the caller's cause", err)
 	}
 	free(t, c, p)
@@ -314,31 +317,31 @@ func TestAbortFromAnotherGoroutine(t *testing.T) {
 }
 
 func TestCloseWhileWaiting(t *testing.T) {
-	f := NewFake(FakeConfig{VirtualPeers: true})
-	c, err := NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
+	f := nccltest.NewFake(nccltest.Config{VirtualPeers: true})
+	c, err := nccl.NewComm(context.Background(), f, 0, 2, 0, newID(t, f))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := fill(t, c, make([]byte, 8))
 	stallBroadcasts(f)
 	done := make(chan error, 1)
-	go func() { done <- c.Broadcast(context.Background(), p, 8, Uint8) }()
+	go func() { done <- c.Broadcast(context.Background(), p, 8, nccl.Uint8) }()
 	time.Sleep(20 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
 	if err := c.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-done; !errors.Is(err, ErrAborted) {
+	if err := <-done; !errors.Is(err, nccl.ErrAborted) {
 		t.Fatalf("broadcast interrupted by Close: %v", err)
 	}
 	// The buffer outlived the comm's actor: free it on a fresh device actor.
-	d, err := OpenDevice(f, 0)
+	d, err := nccl.OpenDevice(f, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	if err := d.Do(context.Background(), func(api API) error { return api.Free(p) }); err != nil {
+	if err := d.Do(context.Background(), func(api nccl.API) error { return api.Free(p) }); err != nil {
 		t.Fatal(err)
 	}
 	if l := f.Leaks(); l != "" {
@@ -350,26 +353,26 @@ func TestCloseWhileWaiting(t *testing.T) {
 // copy is held back on its stream, so only the event can order them.
 func TestBroadcastAsyncOrdersAfterEvent(t *testing.T) {
 	for _, ordered := range []bool{true, false} {
-		f := NewFake(FakeConfig{VirtualPeers: true, KeepData: true})
+		f := nccltest.NewFake(nccltest.Config{VirtualPeers: true, KeepData: true})
 		ctx := context.Background()
-		c, err := NewComm(ctx, f, 0, 2, 0, newID(t, f))
+		c, err := nccl.NewComm(ctx, f, 0, 2, 0, newID(t, f))
 		if err != nil {
 			t.Fatal(err)
 		}
 		payload := []byte("ordered bytes")
-		var p DevPtr
+		var p nccl.DevPtr
 		var host []byte
-		var copyStream Stream
-		var copied, sent Event
+		var copyStream nccl.Stream
+		var copied, sent nccl.Event
 		var release func()
-		err = c.Device().Do(ctx, func(api API) error {
+		err = c.Device().Do(ctx, func(api nccl.API) error {
 			var err error
 			p, _ = api.Malloc(len(payload))
 			host, _ = api.HostAlloc(len(payload), 0)
 			copy(host, payload)
-			copyStream, _ = api.StreamCreate(StreamNonBlocking)
-			copied, _ = api.EventCreate(EventDisableTiming)
-			sent, _ = api.EventCreate(EventDisableTiming)
+			copyStream, _ = api.StreamCreate(nccl.StreamNonBlocking)
+			copied, _ = api.EventCreate(nccl.EventDisableTiming)
+			sent, _ = api.EventCreate(nccl.EventDisableTiming)
 			// Hold the copy until the broadcast was enqueued.
 			if release, err = f.Hold(copyStream); err != nil {
 				return err
@@ -386,7 +389,7 @@ func TestBroadcastAsyncOrdersAfterEvent(t *testing.T) {
 		if !ordered {
 			after = 0
 		}
-		if err := c.BroadcastAsync(ctx, p, len(payload), Uint8, Order{After: after, Done: sent}); err != nil {
+		if err := c.BroadcastAsync(ctx, p, len(payload), nccl.Uint8, nccl.Order{After: after, Done: sent}); err != nil {
 			t.Fatal(err)
 		}
 		if !ordered {
@@ -401,7 +404,7 @@ func TestBroadcastAsyncOrdersAfterEvent(t *testing.T) {
 		if ordered != bytes.Equal(got, payload) {
 			t.Errorf("ordered=%v: broadcast carried %q", ordered, got)
 		}
-		_ = c.Device().Do(ctx, func(api API) error {
+		_ = c.Device().Do(ctx, func(api nccl.API) error {
 			_ = api.StreamSynchronize(copyStream)
 			_ = api.StreamDestroy(copyStream)
 			_ = api.EventDestroy(copied)
@@ -419,19 +422,19 @@ func TestBroadcastAsyncOrdersAfterEvent(t *testing.T) {
 }
 
 func TestPeerAbortIsRemoteError(t *testing.T) {
-	f := NewFake(FakeConfig{Devices: 2})
+	f := nccltest.NewFake(nccltest.Config{Devices: 2})
 	id := newID(t, f)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var wg sync.WaitGroup
-	var c1 *Comm
+	var c1 *nccl.Comm
 	var err1 error
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		c1, err1 = NewComm(ctx, f, 1, 2, 1, id)
+		c1, err1 = nccl.NewComm(ctx, f, 1, 2, 1, id)
 	}()
-	c0, err := NewComm(ctx, f, 0, 2, 0, id)
+	c0, err := nccl.NewComm(ctx, f, 0, 2, 0, id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -442,10 +445,10 @@ func TestPeerAbortIsRemoteError(t *testing.T) {
 	p := fill(t, c1, make([]byte, 16))
 	// Rank 1 waits in a broadcast rank 0 never issues; rank 0 gives up.
 	done := make(chan error, 1)
-	go func() { done <- c1.Broadcast(ctx, p, 16, Uint8) }()
+	go func() { done <- c1.Broadcast(ctx, p, 16, nccl.Uint8) }()
 	time.Sleep(10 * time.Millisecond)
 	c0.Abort(errors.New("trainer gave up"))
-	if err := <-done; !errors.Is(err, RemoteError) {
+	if err := <-done; !errors.Is(err, nccl.RemoteError) {
 		t.Fatalf("peer saw %v, want ncclRemoteError", err)
 	}
 	free(t, c1, p)
@@ -460,17 +463,17 @@ func TestPeerAbortIsRemoteError(t *testing.T) {
 // error of a broadcast that cannot finish, aborting the communicator.
 func TestEventDoneSeesAsyncError(t *testing.T) {
 	f, c, p := commWith8Bytes(t)
-	var done Event
-	if err := c.Device().Do(context.Background(), func(api API) error {
+	var done nccl.Event
+	if err := c.Device().Do(context.Background(), func(api nccl.API) error {
 		var err error
-		done, err = api.EventCreate(EventDisableTiming)
+		done, err = api.EventCreate(nccl.EventDisableTiming)
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	defer c.Device().Do(context.Background(), func(api API) error { return api.EventDestroy(done) })
+	defer c.Device().Do(context.Background(), func(api nccl.API) error { return api.EventDestroy(done) })
 	// A healthy broadcast: EventDone turns true.
-	if err := c.BroadcastAsync(context.Background(), p, 8, Uint8, Order{Done: done}); err != nil {
+	if err := c.BroadcastAsync(context.Background(), p, 8, nccl.Uint8, nccl.Order{Done: done}); err != nil {
 		t.Fatal(err)
 	}
 	for {
@@ -485,14 +488,14 @@ func TestEventDoneSeesAsyncError(t *testing.T) {
 	}
 	// A broadcast whose peer died: EventDone fails with the remote error.
 	remoteErrorOnBroadcasts(f)
-	if err := c.BroadcastAsync(context.Background(), p, 8, Uint8, Order{Done: done}); err != nil {
+	if err := c.BroadcastAsync(context.Background(), p, 8, nccl.Uint8, nccl.Order{Done: done}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		ok, err := c.EventDone(context.Background(), done)
 		if err != nil {
-			if !errors.Is(err, ErrAborted) || !errors.Is(err, RemoteError) {
+			if !errors.Is(err, nccl.ErrAborted) || !errors.Is(err, nccl.RemoteError) {
 				t.Fatalf("got %v, want ErrAborted wrapping ncclRemoteError", err)
 			}
 			break

@@ -63,7 +63,7 @@ func (d *Device) loop(ready chan<- error) {
 	// Forget the thread id before the thread dies: the kernel may give it
 	// to a new thread, which must not be mistaken for the actor.
 	defer d.tid.Store(0)
-	d.tid.Store(int64(threadID()))
+	d.tid.Store(int64(ThreadID()))
 	if err := d.api.SetDevice(d.ordinal); err != nil {
 		ready <- fmt.Errorf("nccl: select device %d: %w", d.ordinal, err)
 		return
@@ -96,7 +96,7 @@ func (d *Device) Ordinal() int { return d.ordinal }
 // it runs to the end. Called from inside another Do function (on the actor
 // itself) it runs fn inline instead of deadlocking.
 func (d *Device) Do(ctx context.Context, fn func(API) error) error {
-	if tid := d.tid.Load(); tid != 0 && int64(threadID()) == tid {
+	if tid := d.tid.Load(); tid != 0 && int64(ThreadID()) == tid {
 		return d.run(fn)
 	}
 	select {

@@ -160,7 +160,7 @@ type Library struct {
 		cudaEventElapsedTime, cudaEventDestroy, cudaDeviceSynchronize           unsafe.Pointer
 	}
 
-	pinned pinnedSet
+	pinned PinnedSet
 }
 
 var _ API = (*Library)(nil)
@@ -509,12 +509,12 @@ func (l *Library) HostAlloc(n int, flags uint) ([]byte, error) {
 		return nil, fmt.Errorf("%w (%d bytes)", err, n)
 	}
 	b := unsafe.Slice((*byte)(p), n)
-	l.pinned.add(b, true)
+	l.pinned.Add(b, true)
 	return b, nil
 }
 
 func (l *Library) FreeHost(b []byte) error {
-	if !l.pinned.remove(b, true) {
+	if !l.pinned.Remove(b, true) {
 		return fmt.Errorf("cudaFreeHost: %w", &Error{Func: "cudaFreeHost", Code: CudaErrorInvalidValue, Detail: "not a HostAlloc allocation"})
 	}
 	return l.cudaErr("cudaFreeHost", C.rlf_cudaFreeHost(l.f.cudaFreeHost, unsafe.Pointer(unsafe.SliceData(b))))
@@ -528,7 +528,7 @@ func (l *Library) HostRegister(b []byte, flags uint) error {
 	if err := l.cudaErr("cudaHostRegister", r); err != nil {
 		return err
 	}
-	l.pinned.add(b, false)
+	l.pinned.Add(b, false)
 	return nil
 }
 
@@ -536,7 +536,7 @@ func (l *Library) HostUnregister(b []byte) error {
 	if len(b) == 0 {
 		return nil
 	}
-	if !l.pinned.remove(b, false) {
+	if !l.pinned.Remove(b, false) {
 		return &Error{Func: "cudaHostUnregister", Code: CudaErrorHostMemNotReg, Detail: "not registered through HostRegister"}
 	}
 	return l.cudaErr("cudaHostUnregister", C.rlf_cudaHostUnregister(l.f.cudaHostUnregister, unsafe.Pointer(unsafe.SliceData(b))))
@@ -546,7 +546,7 @@ func (l *Library) MemcpyHtoDAsync(dst DevPtr, src []byte, s Stream) error {
 	if len(src) == 0 {
 		return nil
 	}
-	if !l.pinned.contains(src) {
+	if !l.pinned.Contains(src) {
 		return fmt.Errorf("cudaMemcpyAsync HtoD: %w", ErrNotPinned)
 	}
 	r := C.rlf_cudaMemcpyHtoDAsync(l.f.cudaMemcpyAsync, C.uintptr_t(dst), unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), C.uintptr_t(s))
@@ -557,7 +557,7 @@ func (l *Library) MemcpyDtoHAsync(dst []byte, src DevPtr, s Stream) error {
 	if len(dst) == 0 {
 		return nil
 	}
-	if !l.pinned.contains(dst) {
+	if !l.pinned.Contains(dst) {
 		return fmt.Errorf("cudaMemcpyAsync DtoH: %w", ErrNotPinned)
 	}
 	r := C.rlf_cudaMemcpyDtoHAsync(l.f.cudaMemcpyAsync, unsafe.Pointer(unsafe.SliceData(dst)), C.uintptr_t(src), C.size_t(len(dst)), C.uintptr_t(s))

@@ -6,10 +6,10 @@ import (
 	"unsafe"
 )
 
-// pinnedSet remembers which host ranges are page-locked, so that an
+// PinnedSet remembers which host ranges are page-locked, so that an
 // asynchronous copy from anything else (Go memory above all: C must not
 // keep Go pointers past the call) is refused instead of racing the GC.
-type pinnedSet struct {
+type PinnedSet struct {
 	mu    sync.Mutex
 	spans []pinnedSpan // sorted by start, non-overlapping
 }
@@ -24,7 +24,7 @@ func spanOf(b []byte) (uintptr, uintptr) {
 	return p, p + uintptr(len(b))
 }
 
-func (p *pinnedSet) add(b []byte, alloc bool) {
+func (p *PinnedSet) Add(b []byte, alloc bool) {
 	s, e := spanOf(b)
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -34,7 +34,7 @@ func (p *pinnedSet) add(b []byte, alloc bool) {
 	p.spans[i] = pinnedSpan{s, e, alloc}
 }
 
-func (p *pinnedSet) remove(b []byte, alloc bool) bool {
+func (p *PinnedSet) Remove(b []byte, alloc bool) bool {
 	s, _ := spanOf(b)
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -46,9 +46,9 @@ func (p *pinnedSet) remove(b []byte, alloc bool) bool {
 	return true
 }
 
-// overlaps reports whether any byte of b is already pinned: CUDA refuses to
+// Overlaps reports whether any byte of b is already pinned: CUDA refuses to
 // register a range that shares a page with an earlier registration.
-func (p *pinnedSet) overlaps(b []byte) bool {
+func (p *PinnedSet) Overlaps(b []byte) bool {
 	s, e := spanOf(b)
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -60,8 +60,8 @@ func (p *pinnedSet) overlaps(b []byte) bool {
 	return false
 }
 
-// registered counts the HostRegister spans.
-func (p *pinnedSet) registered() int {
+// Registered counts the HostRegister spans.
+func (p *PinnedSet) Registered() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n := 0
@@ -73,7 +73,7 @@ func (p *pinnedSet) registered() int {
 	return n
 }
 
-func (p *pinnedSet) contains(b []byte) bool {
+func (p *PinnedSet) Contains(b []byte) bool {
 	s, e := spanOf(b)
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -4,8 +4,8 @@ package nccl
 
 import "syscall"
 
-// threadID identifies the calling OS thread. Device uses it to run nested
+// ThreadID identifies the calling OS thread. Device uses it to run nested
 // requests inline (a request made from the actor's own goroutine would
 // otherwise deadlock) and the Fake to keep a current device per thread, as
 // CUDA does.
-func threadID() int { return syscall.Gettid() }
+func ThreadID() int { return syscall.Gettid() }

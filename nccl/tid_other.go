@@ -4,4 +4,4 @@ package nccl
 
 // threadID is unknown off Linux: 0 for every thread. Device then never runs
 // a request inline and the Fake shares one current device between threads.
-func threadID() int { return 0 }
+func ThreadID() int { return 0 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/rlflow/rlflow/gpu"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/nccl/plan"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
@@ -35,7 +36,7 @@ func (f *gpuFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.ncclLib, "nccl-lib", "", "libnccl to load (env "+nccl.EnvNCCLLib+" overrides; default: search)")
 	fl.StringVar(&f.cudartLib, "cudart-lib", "", "CUDA runtime to load (env "+nccl.EnvCUDARTLib+" overrides; default: search)")
 	fl.StringVar(&f.queue, "gpu-task-queue", envOr("RLFLOW_GPU_TASK_QUEUE", "rlflow-gpu"), "shared task queue GPU workers poll for gpu_acquire (env RLFLOW_GPU_TASK_QUEUE)")
-	fl.BoolVar(&f.fakeNCCL, "fake-nccl", false, "TEST DOUBLE: simulate NCCL and the GPU in memory (nccl.Fake with virtual peers); no byte reaches a server; for rlflow's CPU tests only")
+	fl.BoolVar(&f.fakeNCCL, "fake-nccl", false, "TEST DOUBLE: simulate NCCL and the GPU in memory (nccltest.Fake with virtual peers); no byte reaches a server; for rlflow's CPU tests only")
 	_ = fl.MarkHidden("fake-nccl")
 }
 
@@ -71,8 +72,8 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags) error {
 	var mon gpu.Monitor
 	var sel gpu.Selection
 	if f.fakeNCCL {
-		log.Warn("--fake-nccl: NCCL and the GPU are the nccl.Fake TEST DOUBLE (virtual peers, host memory); no weights reach any server. For rlflow's CPU tests only.")
-		api = nccl.NewFake(nccl.FakeConfig{VirtualPeers: true, DeviceMemory: 64 << 30})
+		log.Warn("--fake-nccl: NCCL and the GPU are the nccltest.Fake TEST DOUBLE (virtual peers, host memory); no weights reach any server. For rlflow's CPU tests only.")
+		api = nccltest.NewFake(nccltest.Config{VirtualPeers: true, DeviceMemory: 64 << 30})
 		sel = gpu.Selection{CUDA: max(f.device, 0), NVML: -1}
 	} else {
 		m, err := gpu.OpenNVML("")

@@ -17,6 +17,7 @@ import (
 	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/safetensors"
 )
 
@@ -810,5 +811,5 @@ func TestBenchStageDryRun(t *testing.T) {
 		{"b", safetensors.BF16, []int64{5, 4097}},
 		{"c", safetensors.F32, []int64{1 << 20}},
 	}, false)
-	benchStage(t, nccl.NewFake(nccl.FakeConfig{DeviceMemory: 4 << 30}), path, 64<<20)
+	benchStage(t, nccltest.NewFake(nccltest.Config{DeviceMemory: 4 << 30}), path, 64<<20)
 }

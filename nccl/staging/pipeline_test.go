@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/safetensors"
 )
 
@@ -138,15 +139,15 @@ func wireBytes(t testing.TB, ck *safetensors.Checkpoint, c Chunk) []byte {
 }
 
 type env struct {
-	fake *nccl.Fake
+	fake *nccltest.Fake
 	comm *nccl.Comm
 	pipe *Pipeline
 }
 
-func setup(t *testing.T, cfg nccl.FakeConfig, bufBytes int64, opts Options) *env {
+func setup(t *testing.T, cfg nccltest.Config, bufBytes int64, opts Options) *env {
 	t.Helper()
 	cfg.VirtualPeers, cfg.KeepData = true, true
-	f := nccl.NewFake(cfg)
+	f := nccltest.NewFake(cfg)
 	id, _ := f.GetUniqueID()
 	c, err := nccl.NewComm(context.Background(), f, 0, 2, 0, id)
 	if err != nil {
@@ -170,7 +171,7 @@ func setup(t *testing.T, cfg nccl.FakeConfig, bufBytes int64, opts Options) *env
 }
 
 // checkWire asserts the exact broadcast sequence after the warm-up.
-func checkWire(t *testing.T, f *nccl.Fake, ck *safetensors.Checkpoint, want []Chunk) {
+func checkWire(t *testing.T, f *nccltest.Fake, ck *safetensors.Checkpoint, want []Chunk) {
 	t.Helper()
 	got := f.Collectives(0)
 	if len(got) == 0 || got[0].Op != "AllReduce" {
@@ -197,7 +198,7 @@ func TestBroadcastPackedWireSequence(t *testing.T) {
 		t.Run(fmt.Sprint("T=", threshold), func(t *testing.T) {
 			chunks := oracle(t, ck, true, threshold, false)
 			// Small OpDelay: copies and broadcasts really run out of step.
-			e := setup(t, nccl.FakeConfig{OpDelay: 200 * time.Microsecond}, MaxChunk(chunks), Options{CopyWorkers: 3, SplitBytes: 1000})
+			e := setup(t, nccltest.Config{OpDelay: 200 * time.Microsecond}, MaxChunk(chunks), Options{CopyWorkers: 3, SplitBytes: 1000})
 			res, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks)
 			if err != nil {
 				t.Fatal(err)
@@ -217,7 +218,7 @@ func TestBroadcastNonPackedWireSequence(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, false, 0, false)
 	var sent []int64
-	e := setup(t, nccl.FakeConfig{OpDelay: 100 * time.Microsecond}, MaxChunk(chunks), Options{Buffers: 3,
+	e := setup(t, nccltest.Config{OpDelay: 100 * time.Microsecond}, MaxChunk(chunks), Options{Buffers: 3,
 		Progress: func(n int64) { sent = append(sent, n) }})
 	if _, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks); err != nil {
 		t.Fatal(err)
@@ -245,7 +246,7 @@ func TestBroadcastConvertsF32ToBF16(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	for _, packed := range []bool{false, true} {
 		chunks := oracle(t, ck, packed, 5000, true)
-		e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{SplitBytes: 64})
+		e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{SplitBytes: 64})
 		if _, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks); err != nil {
 			t.Fatal(err)
 		}
@@ -295,13 +296,13 @@ func TestOverlapAndLookahead(t *testing.T) {
 	chunks := oracle(t, ck, false, 0, false) // one tensor per chunk
 	for _, n := range []int{2, 3} {
 		t.Run(fmt.Sprint("buffers=", n), func(t *testing.T) {
-			e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{Buffers: n})
+			e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{Buffers: n})
 			src := &instrumented{Source: ck, reads: map[string]bool{}, read: make(chan string, 100)}
 			// Hold broadcast 0 (collective 1; 0 is the warm-up) until the
 			// test has seen how far the host got.
 			release := make(chan struct{})
 			var overlapped, ranAhead atomic.Bool
-			e.fake.OnCollective(func(c nccl.Call) nccl.Fault {
+			e.fake.OnCollective(func(c nccltest.Call) nccltest.Fault {
 				if c.Op == "Broadcast" && c.Index == 1 {
 					// Overlap: chunk 1 is staged while chunk 0 is on the wire.
 					deadline := time.After(2 * time.Second)
@@ -310,7 +311,7 @@ func TestOverlapAndLookahead(t *testing.T) {
 						case <-src.read:
 						case <-deadline:
 							<-release
-							return nccl.Fault{}
+							return nccltest.Fault{}
 						}
 					}
 					overlapped.Store(true)
@@ -318,7 +319,7 @@ func TestOverlapAndLookahead(t *testing.T) {
 					ranAhead.Store(src.has(fmt.Sprintf("t%d", n+1)))
 					<-release
 				}
-				return nccl.Fault{}
+				return nccltest.Fault{}
 			})
 			done := make(chan error, 1)
 			go func() {
@@ -347,7 +348,7 @@ func TestOverlapAndLookahead(t *testing.T) {
 func TestStageOnly(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, true, 2000, false)
-	f := nccl.NewFake(nccl.FakeConfig{OpDelay: 100 * time.Microsecond})
+	f := nccltest.NewFake(nccltest.Config{OpDelay: 100 * time.Microsecond})
 	dev, err := nccl.OpenDevice(f, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -387,8 +388,8 @@ func TestStageOnly(t *testing.T) {
 func TestCancelAbortsAndPoisons(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, false, 0, false)
-	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{})
-	e.fake.OnCollective(func(c nccl.Call) nccl.Fault { return nccl.Fault{Stall: c.Index == 3} })
+	e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{})
+	e.fake.OnCollective(func(c nccltest.Call) nccltest.Fault { return nccltest.Fault{Stall: c.Index == 3} })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -423,12 +424,12 @@ func TestCancelAbortsAndPoisons(t *testing.T) {
 func TestAsyncErrorMidTransfer(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, false, 0, false)
-	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{})
-	e.fake.OnCollective(func(c nccl.Call) nccl.Fault {
+	e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{})
+	e.fake.OnCollective(func(c nccltest.Call) nccltest.Fault {
 		if c.Index == 4 {
-			return nccl.Fault{Err: nccl.RemoteError, Delay: 5 * time.Millisecond}
+			return nccltest.Fault{Err: nccl.RemoteError, Delay: 5 * time.Millisecond}
 		}
-		return nccl.Fault{}
+		return nccltest.Fault{}
 	})
 	_, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks)
 	if !errors.Is(err, nccl.RemoteError) || !errors.Is(err, nccl.ErrAborted) {
@@ -439,12 +440,12 @@ func TestAsyncErrorMidTransfer(t *testing.T) {
 func TestBufferAndMemoryChecks(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	chunks := oracle(t, ck, false, 0, false)
-	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks)-1, Options{})
+	e := setup(t, nccltest.Config{}, MaxChunk(chunks)-1, Options{})
 	if _, err := e.pipe.Stage(context.Background(), ck, chunks); err == nil || !strings.Contains(err.Error(), "cannot be split") {
 		t.Fatalf("undersized buffers: %v", err)
 	}
 
-	f := nccl.NewFake(nccl.FakeConfig{DeviceMemory: 300 << 20})
+	f := nccltest.NewFake(nccltest.Config{DeviceMemory: 300 << 20})
 	dev, _ := nccl.OpenDevice(f, 0)
 	defer dev.Close()
 	_, err := New(context.Background(), dev, 64<<20, Options{Buffers: 2})
@@ -470,7 +471,7 @@ func TestReceiverGetsBytesAndDeathIsAnError(t *testing.T) {
 	chunks := oracle(t, ck, true, 3000, false)
 	for _, dieAfter := range []int{-1, 1} {
 		t.Run(fmt.Sprint("die after ", dieAfter), func(t *testing.T) {
-			f := nccl.NewFake(nccl.FakeConfig{Devices: 3, OpDelay: 50 * time.Microsecond})
+			f := nccltest.NewFake(nccltest.Config{Devices: 3, OpDelay: 50 * time.Microsecond})
 			id, _ := f.GetUniqueID()
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
@@ -558,12 +559,12 @@ func TestSlotWaitSeesAsyncError(t *testing.T) {
 		t.Fatalf("want 3+ chunks, got %d", len(chunks))
 	}
 	// Two 256-byte slots: chunk 3's windows queue behind broadcast 1.
-	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{Buffers: 2, WindowBytes: 256, PinnedBytes: 512})
-	e.fake.OnCollective(func(c nccl.Call) nccl.Fault {
+	e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{Buffers: 2, WindowBytes: 256, PinnedBytes: 512})
+	e.fake.OnCollective(func(c nccltest.Call) nccltest.Fault {
 		if c.Index == 1 { // the first broadcast (0 is the warm-up)
-			return nccl.Fault{Err: nccl.RemoteError, Delay: 30 * time.Millisecond}
+			return nccltest.Fault{Err: nccl.RemoteError, Delay: 30 * time.Millisecond}
 		}
-		return nccl.Fault{}
+		return nccltest.Fault{}
 	})
 	done := make(chan error, 1)
 	go func() {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/safetensors"
 )
 
@@ -31,7 +32,7 @@ var pageTensors = []testTensor{
 
 // stageAll stages chunks with one buffer per chunk, so that every chunk is
 // still in its device buffer afterwards, and checks each byte for byte.
-func stageAll(t *testing.T, f *nccl.Fake, ck *safetensors.Checkpoint, src Source, chunks []Chunk, opts Options) Result {
+func stageAll(t *testing.T, f *nccltest.Fake, ck *safetensors.Checkpoint, src Source, chunks []Chunk, opts Options) Result {
 	t.Helper()
 	dev, err := nccl.OpenDevice(f, 0)
 	if err != nil {
@@ -90,7 +91,7 @@ func TestStageModesByteExact(t *testing.T) {
 			} {
 				name := fmt.Sprintf("packed=%v/bf16=%v/%v-w%d-p%d-seg%d-pf%d-%v-copy%.1f", packed, toBF16, opts.Mode, opts.WindowBytes, opts.PinnedBytes, opts.RegisterSegmentBytes, opts.PrefaultWorkers, opts.Unregister, opts.CopyFraction)
 				t.Run(name, func(t *testing.T) {
-					f := nccl.NewFake(nccl.FakeConfig{OpDelay: 50 * time.Microsecond})
+					f := nccltest.NewFake(nccltest.Config{OpDelay: 50 * time.Microsecond})
 					var regs atomic.Int64
 					f.OnHostRegister(func(b []byte, flags uint) error {
 						regs.Add(1)
@@ -156,7 +157,7 @@ func TestBroadcastRegisterMode(t *testing.T) {
 	for _, packed := range []bool{true, false} {
 		for _, frac := range []float64{0, 0.5} {
 			chunks := oracle(t, ck, packed, 9000, true)
-			e := setup(t, nccl.FakeConfig{OpDelay: 200 * time.Microsecond}, MaxChunk(chunks),
+			e := setup(t, nccltest.Config{OpDelay: 200 * time.Microsecond}, MaxChunk(chunks),
 				Options{Mode: ModeRegister, RegisterSegmentBytes: pg, WindowBytes: 5000, CopyWorkers: 2, SplitBytes: 700, CopyFraction: frac})
 			res, err := e.pipe.Broadcast(context.Background(), e.comm, ck, chunks)
 			if err != nil {
@@ -179,7 +180,7 @@ func TestRegisterFallback(t *testing.T) {
 	chunks := oracle(t, ck, true, 9000, false)
 	for _, failAt := range []int64{1, 3} {
 		t.Run(fmt.Sprint("fail at registration ", failAt), func(t *testing.T) {
-			f := nccl.NewFake(nccl.FakeConfig{OpDelay: 50 * time.Microsecond})
+			f := nccltest.NewFake(nccltest.Config{OpDelay: 50 * time.Microsecond})
 			var n atomic.Int64
 			f.OnHostRegister(func(b []byte, flags uint) error {
 				if n.Add(1) >= failAt {
@@ -205,7 +206,7 @@ func TestRegisterFallback(t *testing.T) {
 		})
 	}
 	t.Run("not a mapped source", func(t *testing.T) {
-		f := nccl.NewFake(nccl.FakeConfig{})
+		f := nccltest.NewFake(nccltest.Config{})
 		src := &instrumented{Source: ck, reads: map[string]bool{}, read: make(chan string, 1000)}
 		res := stageAll(t, f, ck, src, chunks, Options{Mode: ModeRegister})
 		if !strings.Contains(res.Fallback, "not a mapped checkpoint") || res.Direct != 0 {
@@ -220,8 +221,8 @@ func TestRegisterCancelUnregisters(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), pageTensors)
 	pg := int64(os.Getpagesize())
 	chunks := oracle(t, ck, false, 0, false)
-	e := setup(t, nccl.FakeConfig{}, MaxChunk(chunks), Options{Mode: ModeRegister, RegisterSegmentBytes: pg})
-	e.fake.OnCollective(func(c nccl.Call) nccl.Fault { return nccl.Fault{Stall: c.Index == 3} })
+	e := setup(t, nccltest.Config{}, MaxChunk(chunks), Options{Mode: ModeRegister, RegisterSegmentBytes: pg})
+	e.fake.OnCollective(func(c nccltest.Call) nccltest.Fault { return nccltest.Fault{Stall: c.Index == 3} })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	_, err := e.pipe.Broadcast(ctx, e.comm, ck, chunks)
@@ -309,7 +310,7 @@ func TestCopyPartsTileWindows(t *testing.T) {
 func TestCopyTimeIsReported(t *testing.T) {
 	ck := writeCheckpoint(t, t.TempDir(), pageTensors)
 	chunks := oracle(t, ck, true, 9000, false)
-	f := nccl.NewFake(nccl.FakeConfig{OpDelay: 50 * time.Microsecond})
+	f := nccltest.NewFake(nccltest.Config{OpDelay: 50 * time.Microsecond})
 	res := stageAll(t, f, ck, ck, chunks, Options{Mode: ModeCopy, WindowBytes: 1000, CopyWorkers: 2})
 	if res.Copied == 0 || res.HostCopy <= 0 {
 		t.Fatalf("copied %d bytes in %v: the host copy time is lost", res.Copied, res.HostCopy)

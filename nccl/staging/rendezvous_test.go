@@ -11,13 +11,14 @@ import (
 
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/ncclid"
+	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/nccl/tcpstore"
 )
 
 // fakeWorker does what a vLLM worker does against rank 0's store (as a torch
 // client: VALIDATE, PING, ADD init/, WAIT, GET), then joins the fake NCCL
 // group with the unpickled id.
-func fakeWorker(ctx context.Context, f *nccl.Fake, port, world, rank int) (*nccl.Comm, error) {
+func fakeWorker(ctx context.Context, f *nccltest.Fake, port, world, rank int) (*nccl.Comm, error) {
 	cl, err := tcpstore.Dial(ctx, fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		return nil, err
@@ -41,7 +42,7 @@ func fakeWorker(ctx context.Context, f *nccl.Fake, port, world, rank int) (*nccl
 }
 
 func TestRendezvousWithWorkers(t *testing.T) {
-	f := nccl.NewFake(nccl.FakeConfig{Devices: 3})
+	f := nccltest.NewFake(nccltest.Config{Devices: 3})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var workers []*nccl.Comm
@@ -96,7 +97,7 @@ func TestRendezvousWithWorkers(t *testing.T) {
 }
 
 func TestRendezvousInitFailsEarly(t *testing.T) {
-	f := nccl.NewFake(nccl.FakeConfig{})
+	f := nccltest.NewFake(nccltest.Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	http500 := errors.New("POST /init_weight_transfer_engine: 500 Internal Server Error")
@@ -126,7 +127,7 @@ func TestRendezvousInitFailsEarly(t *testing.T) {
 }
 
 func TestRendezvousPeerNeverJoins(t *testing.T) {
-	f := nccl.NewFake(nccl.FakeConfig{})
+	f := nccltest.NewFake(nccltest.Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -160,7 +161,7 @@ func TestRendezvousPeerNeverJoins(t *testing.T) {
 }
 
 func TestRendezvousRefusesBadConfig(t *testing.T) {
-	f := nccl.NewFake(nccl.FakeConfig{})
+	f := nccltest.NewFake(nccltest.Config{})
 	noop := func(context.Context, int) error { return nil }
 	for _, cfg := range []RendezvousConfig{
 		{WorldSize: 2},

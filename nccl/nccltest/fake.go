@@ -1,4 +1,8 @@
-package nccl
+// Package nccltest holds Fake, the test double of nccl.API for machines
+// without a GPU: rlflow's CPU tests and `rlflow worker --gpu --fake-nccl`,
+// which the CPU end-to-end tests start. It is not a GPU emulator and never
+// stands in for the real path in a claim.
+package nccltest
 
 import (
 	"encoding/binary"
@@ -9,10 +13,12 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/rlflow/rlflow/nccl"
 )
 
-// Fake is a test double for API, for tests on machines without a GPU: it is
-// not a GPU emulator and never pretends to be one outside tests.
+// Fake is a test double for nccl.API, for tests on machines without a GPU:
+// it is not a GPU emulator and never pretends to be one outside tests.
 //
 // It simulates devices with host memory (fake device addresses, per-device
 // memory accounting, the current device per OS thread as CUDA keeps it),
@@ -26,7 +32,7 @@ import (
 // asynchronously (OnCollective), and aborts, which peers observe as
 // ncclRemoteError as they would on real hardware.
 type Fake struct {
-	cfg FakeConfig
+	cfg Config
 
 	mu   sync.Mutex
 	cond *sync.Cond // broadcast on every state change; waits re-check
@@ -37,20 +43,20 @@ type Fake struct {
 	bump    []uintptr   // next free fake address per device
 	allocs  []*fakeAlloc
 	hostMem map[uintptr][]byte // HostAlloc'd slices, kept alive here
-	pinned  pinnedSet
-	streams map[Stream]*fakeStream
+	pinned  nccl.PinnedSet
+	streams map[nccl.Stream]*fakeStream
 	defStr  map[int]*fakeStream // legacy default stream per device
-	events  map[Event]*fakeEvent
-	comms   map[CommHandle]*fakeComm
-	groups  map[UniqueID]*fakeGroup
+	events  map[nccl.Event]*fakeEvent
+	comms   map[nccl.CommHandle]*fakeComm
+	groups  map[nccl.UniqueID]*fakeGroup
 	calls   []*Call // pointers: executing collectives fill in Data later
 	hook    func(Call) Fault
 	regHook func(b []byte, flags uint) error
 	idSeq   uint64
 }
 
-// FakeConfig shapes a Fake.
-type FakeConfig struct {
+// Config shapes a Fake.
+type Config struct {
 	// Devices is the number of simulated GPUs (default 1).
 	Devices int
 	// DeviceMemory is the memory of each simulated GPU (default 1 GiB).
@@ -81,14 +87,14 @@ type Fault struct {
 	// Err, if non-zero, becomes the communicator's asynchronous error after
 	// Delay (like NCCL noticing a closed socket); the collective stays stuck
 	// until abort, as real NCCL kernels do.
-	Err   Result
+	Err   nccl.Result
 	Delay time.Duration
 }
 
 // Call is one recorded NCCL call.
 type Call struct {
 	Op     string // "CommInitRank", "AllReduce", "Broadcast", "CommAbort", "CommFinalize", "CommDestroy"
-	Comm   CommHandle
+	Comm   nccl.CommHandle
 	Rank   int
 	World  int
 	Device int
@@ -96,16 +102,16 @@ type Call struct {
 	// Collectives only:
 	Index int // 0-based collective index on this communicator (0 is the warm-up)
 	Count int
-	DType DataType
+	DType nccl.DataType
 	Bytes int
 	Root  int
-	Send  DevPtr
-	Recv  DevPtr
+	Send  nccl.DevPtr
+	Recv  nccl.DevPtr
 	Data  []byte // root's bytes (KeepData, broadcasts, once executed)
 }
 
 // NewFake returns a Fake with cfg's defaults filled in.
-func NewFake(cfg FakeConfig) *Fake {
+func NewFake(cfg Config) *Fake {
 	if cfg.Devices <= 0 {
 		cfg.Devices = 1
 	}
@@ -119,17 +125,17 @@ func NewFake(cfg FakeConfig) *Fake {
 		used:    make([]uint64, cfg.Devices),
 		bump:    make([]uintptr, cfg.Devices),
 		hostMem: map[uintptr][]byte{},
-		streams: map[Stream]*fakeStream{},
+		streams: map[nccl.Stream]*fakeStream{},
 		defStr:  map[int]*fakeStream{},
-		events:  map[Event]*fakeEvent{},
-		comms:   map[CommHandle]*fakeComm{},
-		groups:  map[UniqueID]*fakeGroup{},
+		events:  map[nccl.Event]*fakeEvent{},
+		comms:   map[nccl.CommHandle]*fakeComm{},
+		groups:  map[nccl.UniqueID]*fakeGroup{},
 	}
 	f.cond = sync.NewCond(&f.mu)
 	return f
 }
 
-var _ API = (*Fake)(nil)
+var _ nccl.API = (*Fake)(nil)
 
 // OnCollective installs a hook consulted as each collective starts
 // executing on its stream (nil removes it).
@@ -175,7 +181,7 @@ func (f *Fake) Collectives(rank int) []Call {
 // called, so that tests can order work deterministically (for instance keep
 // a copy from running to prove that a broadcast waits for it). Stream 0 is
 // the default stream of the calling thread's current device.
-func (f *Fake) Hold(s Stream) (release func(), err error) {
+func (f *Fake) Hold(s nccl.Stream) (release func(), err error) {
 	ch := make(chan struct{})
 	var once sync.Once
 	err = f.enqueue(s, "hold", func() error { <-ch; return nil })
@@ -183,7 +189,7 @@ func (f *Fake) Hold(s Stream) (release func(), err error) {
 }
 
 // DeviceBytes copies n bytes of fake device memory at p.
-func (f *Fake) DeviceBytes(p DevPtr, n int) ([]byte, error) {
+func (f *Fake) DeviceBytes(p nccl.DevPtr, n int) ([]byte, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	b, _, err := f.devSlice(p, n)
@@ -205,7 +211,7 @@ func (f *Fake) Leaks() string {
 	if n := len(f.hostMem); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d pinned host allocations", n))
 	}
-	if n := f.pinned.registered(); n > 0 {
+	if n := f.pinned.Registered(); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d host registrations", n))
 	}
 	if n := len(f.streams); n > 0 {
@@ -225,7 +231,7 @@ func (f *Fake) handle() uintptr {
 	return f.next
 }
 
-func (f *Fake) device() int { return f.cur[threadID()] }
+func (f *Fake) device() int { return f.cur[nccl.ThreadID()] }
 
 // ---- device memory ----
 
@@ -239,7 +245,7 @@ type fakeAlloc struct {
 // so a pointer says which device it belongs to, as with CUDA's UVA.
 func devBase(d int) uintptr { return uintptr(d+1) << 40 }
 
-func (f *Fake) devSlice(p DevPtr, n int) ([]byte, int, error) {
+func (f *Fake) devSlice(p nccl.DevPtr, n int) ([]byte, int, error) {
 	i := sort.Search(len(f.allocs), func(i int) bool { return f.allocs[i].base > uintptr(p) }) - 1
 	if i >= 0 {
 		a := f.allocs[i]
@@ -248,7 +254,7 @@ func (f *Fake) devSlice(p DevPtr, n int) ([]byte, int, error) {
 			return a.mem[off : off+uintptr(n)], a.dev, nil
 		}
 	}
-	return nil, 0, &Error{Func: "fake", Code: CudaErrorIllegalAddress, Detail: fmt.Sprintf("%d bytes at %#x are not inside one device allocation", n, uintptr(p))}
+	return nil, 0, &nccl.Error{Func: "fake", Code: nccl.CudaErrorIllegalAddress, Detail: fmt.Sprintf("%d bytes at %#x are not inside one device allocation", n, uintptr(p))}
 }
 
 func (f *Fake) CUDARuntimeVersion() (int, error) { return 13000, nil }
@@ -257,10 +263,10 @@ func (f *Fake) GetDeviceCount() (int, error) { return f.cfg.Devices, nil }
 
 func (f *Fake) SetDevice(d int) error {
 	if d < 0 || d >= f.cfg.Devices {
-		return &Error{Func: "cudaSetDevice", Code: CudaErrorInvalidDevice}
+		return &nccl.Error{Func: "cudaSetDevice", Code: nccl.CudaErrorInvalidDevice}
 	}
 	f.mu.Lock()
-	f.cur[threadID()] = d
+	f.cur[nccl.ThreadID()] = d
 	f.mu.Unlock()
 	return nil
 }
@@ -272,12 +278,12 @@ func (f *Fake) MemGetInfo() (uint64, uint64, error) {
 	return f.cfg.DeviceMemory - f.used[d], f.cfg.DeviceMemory, nil
 }
 
-func (f *Fake) Malloc(n int) (DevPtr, error) {
+func (f *Fake) Malloc(n int) (nccl.DevPtr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	d := f.device()
 	if n <= 0 || f.used[d]+uint64(n) > f.cfg.DeviceMemory {
-		return 0, &Error{Func: "cudaMalloc", Code: CudaErrorMemoryAllocation, Detail: fmt.Sprintf("%d bytes on fake device %d (%d of %d in use)", n, d, f.used[d], f.cfg.DeviceMemory)}
+		return 0, &nccl.Error{Func: "cudaMalloc", Code: nccl.CudaErrorMemoryAllocation, Detail: fmt.Sprintf("%d bytes on fake device %d (%d of %d in use)", n, d, f.used[d], f.cfg.DeviceMemory)}
 	}
 	// Bump allocation, 256-byte aligned like cudaMalloc; addresses are
 	// never reused, so a use after free is an illegal address.
@@ -290,10 +296,10 @@ func (f *Fake) Malloc(n int) (DevPtr, error) {
 	copy(f.allocs[i+1:], f.allocs[i:])
 	f.allocs[i] = a
 	f.used[d] += uint64(n)
-	return DevPtr(base), nil
+	return nccl.DevPtr(base), nil
 }
 
-func (f *Fake) Free(p DevPtr) error {
+func (f *Fake) Free(p nccl.DevPtr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for i, a := range f.allocs {
@@ -303,10 +309,10 @@ func (f *Fake) Free(p DevPtr) error {
 			return nil
 		}
 	}
-	return &Error{Func: "cudaFree", Code: CudaErrorInvalidValue, Detail: fmt.Sprintf("%#x is not an allocation", uintptr(p))}
+	return &nccl.Error{Func: "cudaFree", Code: nccl.CudaErrorInvalidValue, Detail: fmt.Sprintf("%#x is not an allocation", uintptr(p))}
 }
 
-func (f *Fake) Memset(p DevPtr, v byte, n int) error {
+func (f *Fake) Memset(p nccl.DevPtr, v byte, n int) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	b, _, err := f.devSlice(p, n)
@@ -319,7 +325,7 @@ func (f *Fake) Memset(p DevPtr, v byte, n int) error {
 	return nil
 }
 
-func (f *Fake) MemsetAsync(p DevPtr, v byte, n int, s Stream) error {
+func (f *Fake) MemsetAsync(p nccl.DevPtr, v byte, n int, s nccl.Stream) error {
 	return f.enqueue(s, "cudaMemsetAsync", func() error {
 		f.mu.Lock()
 		defer f.mu.Unlock()
@@ -338,19 +344,19 @@ func (f *Fake) MemsetAsync(p DevPtr, v byte, n int, s Stream) error {
 
 func (f *Fake) HostAlloc(n int, flags uint) ([]byte, error) {
 	if n <= 0 {
-		return nil, &Error{Func: "cudaHostAlloc", Code: CudaErrorInvalidValue}
+		return nil, &nccl.Error{Func: "cudaHostAlloc", Code: nccl.CudaErrorInvalidValue}
 	}
 	b := make([]byte, n)
 	f.mu.Lock()
 	f.hostMem[uintptr(unsafe.Pointer(&b[0]))] = b
 	f.mu.Unlock()
-	f.pinned.add(b, true)
+	f.pinned.Add(b, true)
 	return b, nil
 }
 
 func (f *Fake) FreeHost(b []byte) error {
-	if !f.pinned.remove(b, true) {
-		return &Error{Func: "cudaFreeHost", Code: CudaErrorInvalidValue, Detail: "not a HostAlloc allocation"}
+	if !f.pinned.Remove(b, true) {
+		return &nccl.Error{Func: "cudaFreeHost", Code: nccl.CudaErrorInvalidValue, Detail: "not a HostAlloc allocation"}
 	}
 	f.mu.Lock()
 	delete(f.hostMem, uintptr(unsafe.Pointer(unsafe.SliceData(b))))
@@ -372,10 +378,10 @@ func (f *Fake) HostRegister(b []byte, flags uint) error {
 	}
 	// Like CUDA, any overlap with pinned memory is refused, so that callers
 	// that register a mapping piecewise must keep the pieces disjoint.
-	if f.pinned.overlaps(b) {
-		return &Error{Func: "cudaHostRegister", Code: CudaErrorHostMemAlreadyReg}
+	if f.pinned.Overlaps(b) {
+		return &nccl.Error{Func: "cudaHostRegister", Code: nccl.CudaErrorHostMemAlreadyReg}
 	}
-	f.pinned.add(b, false)
+	f.pinned.Add(b, false)
 	return nil
 }
 
@@ -383,18 +389,18 @@ func (f *Fake) HostUnregister(b []byte) error {
 	if len(b) == 0 {
 		return nil
 	}
-	if !f.pinned.remove(b, false) {
-		return &Error{Func: "cudaHostUnregister", Code: CudaErrorHostMemNotReg}
+	if !f.pinned.Remove(b, false) {
+		return &nccl.Error{Func: "cudaHostUnregister", Code: nccl.CudaErrorHostMemNotReg}
 	}
 	return nil
 }
 
-func (f *Fake) MemcpyHtoDAsync(dst DevPtr, src []byte, s Stream) error {
+func (f *Fake) MemcpyHtoDAsync(dst nccl.DevPtr, src []byte, s nccl.Stream) error {
 	if len(src) == 0 {
 		return nil
 	}
-	if !f.pinned.contains(src) {
-		return fmt.Errorf("cudaMemcpyAsync HtoD: %w", ErrNotPinned)
+	if !f.pinned.Contains(src) {
+		return fmt.Errorf("cudaMemcpyAsync HtoD: %w", nccl.ErrNotPinned)
 	}
 	f.mu.Lock()
 	_, _, err := f.devSlice(dst, len(src))
@@ -406,8 +412,8 @@ func (f *Fake) MemcpyHtoDAsync(dst DevPtr, src []byte, s Stream) error {
 	return f.enqueue(s, "cudaMemcpyAsync HtoD", func() error {
 		// Memory unregistered (or freed) before its copy ran is a bug the
 		// GPU would not report: the fake does.
-		if !f.pinned.contains(src) {
-			return &Error{Func: "fake", Code: CudaErrorIllegalAddress, Detail: "host memory of a pending HtoD copy was unregistered or freed before the copy ran"}
+		if !f.pinned.Contains(src) {
+			return &nccl.Error{Func: "fake", Code: nccl.CudaErrorIllegalAddress, Detail: "host memory of a pending HtoD copy was unregistered or freed before the copy ran"}
 		}
 		f.mu.Lock()
 		defer f.mu.Unlock()
@@ -420,12 +426,12 @@ func (f *Fake) MemcpyHtoDAsync(dst DevPtr, src []byte, s Stream) error {
 	})
 }
 
-func (f *Fake) MemcpyDtoHAsync(dst []byte, src DevPtr, s Stream) error {
+func (f *Fake) MemcpyDtoHAsync(dst []byte, src nccl.DevPtr, s nccl.Stream) error {
 	if len(dst) == 0 {
 		return nil
 	}
-	if !f.pinned.contains(dst) {
-		return fmt.Errorf("cudaMemcpyAsync DtoH: %w", ErrNotPinned)
+	if !f.pinned.Contains(dst) {
+		return fmt.Errorf("cudaMemcpyAsync DtoH: %w", nccl.ErrNotPinned)
 	}
 	return f.enqueue(s, "cudaMemcpyAsync DtoH", func() error {
 		f.mu.Lock()
@@ -439,7 +445,7 @@ func (f *Fake) MemcpyDtoHAsync(dst []byte, src DevPtr, s Stream) error {
 	})
 }
 
-func (f *Fake) MemcpyDtoDAsync(dst, src DevPtr, n int, s Stream) error {
+func (f *Fake) MemcpyDtoDAsync(dst, src nccl.DevPtr, n int, s nccl.Stream) error {
 	if n == 0 {
 		return nil
 	}
@@ -502,7 +508,7 @@ func (f *Fake) drain(s *fakeStream) {
 	}
 }
 
-func (f *Fake) stream(s Stream) (*fakeStream, error) {
+func (f *Fake) stream(s nccl.Stream) (*fakeStream, error) {
 	if s == 0 {
 		d := f.device()
 		st := f.defStr[d]
@@ -514,12 +520,12 @@ func (f *Fake) stream(s Stream) (*fakeStream, error) {
 	}
 	st := f.streams[s]
 	if st == nil {
-		return nil, &Error{Func: "fake", Code: CudaErrorInvalidHandle, Detail: fmt.Sprintf("no stream %#x", uintptr(s))}
+		return nil, &nccl.Error{Func: "fake", Code: nccl.CudaErrorInvalidHandle, Detail: fmt.Sprintf("no stream %#x", uintptr(s))}
 	}
 	return st, nil
 }
 
-func (f *Fake) enqueue(s Stream, fn string, op func() error) error {
+func (f *Fake) enqueue(s nccl.Stream, fn string, op func() error) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	st, err := f.stream(s)
@@ -532,20 +538,20 @@ func (f *Fake) enqueue(s Stream, fn string, op func() error) error {
 	return nil
 }
 
-func (f *Fake) StreamCreate(flags uint) (Stream, error) {
+func (f *Fake) StreamCreate(flags uint) (nccl.Stream, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	h := Stream(f.handle())
+	h := nccl.Stream(f.handle())
 	f.streams[h] = f.newStream(f.device())
 	return h, nil
 }
 
-func (f *Fake) StreamDestroy(s Stream) error {
+func (f *Fake) StreamDestroy(s nccl.Stream) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	st := f.streams[s]
 	if st == nil {
-		return &Error{Func: "cudaStreamDestroy", Code: CudaErrorInvalidHandle}
+		return &nccl.Error{Func: "cudaStreamDestroy", Code: nccl.CudaErrorInvalidHandle}
 	}
 	// CUDA lets pending work finish after destroy; so does the drainer.
 	st.closing = true
@@ -554,7 +560,7 @@ func (f *Fake) StreamDestroy(s Stream) error {
 	return nil
 }
 
-func (f *Fake) StreamSynchronize(s Stream) error {
+func (f *Fake) StreamSynchronize(s nccl.Stream) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	st, err := f.stream(s)
@@ -567,7 +573,7 @@ func (f *Fake) StreamSynchronize(s Stream) error {
 	return st.err
 }
 
-func (f *Fake) StreamQuery(s Stream) (bool, error) {
+func (f *Fake) StreamQuery(s nccl.Stream) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	st, err := f.stream(s)
@@ -610,23 +616,23 @@ type fakeEvent struct {
 	at        time.Time
 }
 
-func (f *Fake) EventCreate(flags uint) (Event, error) {
+func (f *Fake) EventCreate(flags uint) (nccl.Event, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	h := Event(f.handle())
+	h := nccl.Event(f.handle())
 	f.events[h] = &fakeEvent{flags: flags}
 	return h, nil
 }
 
-func (f *Fake) event(e Event) (*fakeEvent, error) {
+func (f *Fake) event(e nccl.Event) (*fakeEvent, error) {
 	ev := f.events[e]
 	if ev == nil {
-		return nil, &Error{Func: "fake", Code: CudaErrorInvalidHandle, Detail: fmt.Sprintf("no event %#x", uintptr(e))}
+		return nil, &nccl.Error{Func: "fake", Code: nccl.CudaErrorInvalidHandle, Detail: fmt.Sprintf("no event %#x", uintptr(e))}
 	}
 	return ev, nil
 }
 
-func (f *Fake) EventRecord(e Event, s Stream) error {
+func (f *Fake) EventRecord(e nccl.Event, s nccl.Stream) error {
 	f.mu.Lock()
 	ev, err := f.event(e)
 	if err != nil {
@@ -647,7 +653,7 @@ func (f *Fake) EventRecord(e Event, s Stream) error {
 	})
 }
 
-func (f *Fake) StreamWaitEvent(s Stream, e Event) error {
+func (f *Fake) StreamWaitEvent(s nccl.Stream, e nccl.Event) error {
 	f.mu.Lock()
 	ev, err := f.event(e)
 	if err != nil {
@@ -666,7 +672,7 @@ func (f *Fake) StreamWaitEvent(s Stream, e Event) error {
 	})
 }
 
-func (f *Fake) EventSynchronize(e Event) error {
+func (f *Fake) EventSynchronize(e nccl.Event) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	ev, err := f.event(e)
@@ -679,7 +685,7 @@ func (f *Fake) EventSynchronize(e Event) error {
 	return nil
 }
 
-func (f *Fake) EventQuery(e Event) (bool, error) {
+func (f *Fake) EventQuery(e nccl.Event) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	ev, err := f.event(e)
@@ -689,7 +695,7 @@ func (f *Fake) EventQuery(e Event) (bool, error) {
 	return ev.completed >= ev.recorded, nil
 }
 
-func (f *Fake) EventElapsedTime(start, end Event) (time.Duration, error) {
+func (f *Fake) EventElapsedTime(start, end nccl.Event) (time.Duration, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	a, err := f.event(start)
@@ -700,20 +706,20 @@ func (f *Fake) EventElapsedTime(start, end Event) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
-	if a.flags&EventDisableTiming != 0 || b.flags&EventDisableTiming != 0 || a.recorded == 0 || b.recorded == 0 {
-		return 0, &Error{Func: "cudaEventElapsedTime", Code: CudaErrorInvalidHandle}
+	if a.flags&nccl.EventDisableTiming != 0 || b.flags&nccl.EventDisableTiming != 0 || a.recorded == 0 || b.recorded == 0 {
+		return 0, &nccl.Error{Func: "cudaEventElapsedTime", Code: nccl.CudaErrorInvalidHandle}
 	}
 	if a.completed < a.recorded || b.completed < b.recorded {
-		return 0, &Error{Func: "cudaEventElapsedTime", Code: CudaErrorNotReady}
+		return 0, &nccl.Error{Func: "cudaEventElapsedTime", Code: nccl.CudaErrorNotReady}
 	}
 	return b.at.Sub(a.at), nil
 }
 
-func (f *Fake) EventDestroy(e Event) error {
+func (f *Fake) EventDestroy(e nccl.Event) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if _, ok := f.events[e]; !ok {
-		return &Error{Func: "cudaEventDestroy", Code: CudaErrorInvalidHandle}
+		return &nccl.Error{Func: "cudaEventDestroy", Code: nccl.CudaErrorInvalidHandle}
 	}
 	delete(f.events, e)
 	return nil
@@ -739,11 +745,11 @@ type fakePost struct {
 }
 
 type fakeComm struct {
-	h          CommHandle
+	h          nccl.CommHandle
 	g          *fakeGroup
 	rank, dev  int
 	blocking   bool
-	asyncErr   Result
+	asyncErr   nccl.Result
 	detail     string
 	aborted    bool
 	finalizing bool
@@ -752,12 +758,12 @@ type fakeComm struct {
 
 func (f *Fake) NCCLVersion() (int, error) { return 22803, nil }
 
-func (f *Fake) GetUniqueID() (UniqueID, error) {
+func (f *Fake) GetUniqueID() (nccl.UniqueID, error) {
 	f.mu.Lock()
 	f.idSeq++
 	seq := f.idSeq
 	f.mu.Unlock()
-	var id UniqueID
+	var id nccl.UniqueID
 	copy(id[:], "rlflow-fake-nccl")
 	binary.LittleEndian.PutUint64(id[16:], seq)
 	binary.LittleEndian.PutUint64(id[24:], uint64(time.Now().UnixNano()))
@@ -765,7 +771,7 @@ func (f *Fake) GetUniqueID() (UniqueID, error) {
 }
 
 func (f *Fake) record(c Call) *Call {
-	c.Thread = threadID()
+	c.Thread = nccl.ThreadID()
 	f.calls = append(f.calls, &c)
 	return &c
 }
@@ -777,16 +783,16 @@ func (f *Fake) groupReady(g *fakeGroup) bool {
 	return len(g.members) == g.world
 }
 
-func (f *Fake) CommInitRank(nranks int, id UniqueID, rank int) (CommHandle, error) {
-	h, err := f.CommInitRankConfig(nranks, id, rank, CommConfig{Blocking: true})
+func (f *Fake) CommInitRank(nranks int, id nccl.UniqueID, rank int) (nccl.CommHandle, error) {
+	h, err := f.CommInitRankConfig(nranks, id, rank, nccl.CommConfig{Blocking: true})
 	return h, err
 }
 
-func (f *Fake) CommInitRankConfig(nranks int, id UniqueID, rank int, cfg CommConfig) (CommHandle, error) {
+func (f *Fake) CommInitRankConfig(nranks int, id nccl.UniqueID, rank int, cfg nccl.CommConfig) (nccl.CommHandle, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if nranks < 1 || rank < 0 || rank >= nranks {
-		return 0, &Error{Func: "ncclCommInitRankConfig", Code: InvalidArgument, Detail: fmt.Sprintf("rank %d of %d", rank, nranks)}
+		return 0, &nccl.Error{Func: "ncclCommInitRankConfig", Code: nccl.InvalidArgument, Detail: fmt.Sprintf("rank %d of %d", rank, nranks)}
 	}
 	g := f.groups[id]
 	if g == nil {
@@ -794,9 +800,9 @@ func (f *Fake) CommInitRankConfig(nranks int, id UniqueID, rank int, cfg CommCon
 		f.groups[id] = g
 	}
 	if g.world != nranks || g.members[rank] != nil {
-		return 0, &Error{Func: "ncclCommInitRankConfig", Code: InvalidUsage, Detail: fmt.Sprintf("rank %d of %d does not fit the group (world %d)", rank, nranks, g.world)}
+		return 0, &nccl.Error{Func: "ncclCommInitRankConfig", Code: nccl.InvalidUsage, Detail: fmt.Sprintf("rank %d of %d does not fit the group (world %d)", rank, nranks, g.world)}
 	}
-	c := &fakeComm{h: CommHandle(f.handle()), g: g, rank: rank, dev: f.device(), blocking: cfg.Blocking}
+	c := &fakeComm{h: nccl.CommHandle(f.handle()), g: g, rank: rank, dev: f.device(), blocking: cfg.Blocking}
 	f.comms[c.h] = c
 	g.members[rank] = c
 	f.record(Call{Op: "CommInitRank", Comm: c.h, Rank: rank, World: nranks, Device: c.dev})
@@ -817,26 +823,26 @@ func (f *Fake) CommInitRankConfig(nranks int, id UniqueID, rank int, cfg CommCon
 		if g.ready {
 			return c.h, nil
 		}
-		return c.h, &Error{Func: "ncclCommInitRankConfig", Code: InProgress}
+		return c.h, &nccl.Error{Func: "ncclCommInitRankConfig", Code: nccl.InProgress}
 	}
 	for !g.ready && !c.aborted && c.asyncErr == 0 {
 		f.cond.Wait()
 	}
 	if c.asyncErr != 0 {
-		return c.h, &Error{Func: "ncclCommInitRank", Code: c.asyncErr, Detail: c.detail}
+		return c.h, &nccl.Error{Func: "ncclCommInitRank", Code: c.asyncErr, Detail: c.detail}
 	}
 	return c.h, nil
 }
 
-func (f *Fake) comm(h CommHandle, fn string) (*fakeComm, error) {
+func (f *Fake) comm(h nccl.CommHandle, fn string) (*fakeComm, error) {
 	c := f.comms[h]
 	if c == nil {
-		return nil, &Error{Func: fn, Code: InvalidArgument, Detail: fmt.Sprintf("no communicator %#x (destroyed or aborted?)", uintptr(h))}
+		return nil, &nccl.Error{Func: fn, Code: nccl.InvalidArgument, Detail: fmt.Sprintf("no communicator %#x (destroyed or aborted?)", uintptr(h))}
 	}
 	return c, nil
 }
 
-func (f *Fake) CommGetAsyncError(h CommHandle) error {
+func (f *Fake) CommGetAsyncError(h nccl.CommHandle) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	c, err := f.comm(h, "ncclCommGetAsyncError")
@@ -845,31 +851,31 @@ func (f *Fake) CommGetAsyncError(h CommHandle) error {
 	}
 	switch {
 	case c.asyncErr != 0:
-		return &Error{Func: "ncclCommGetAsyncError (async)", Code: c.asyncErr, Detail: c.detail}
+		return &nccl.Error{Func: "ncclCommGetAsyncError (async)", Code: c.asyncErr, Detail: c.detail}
 	case !c.g.ready:
-		return &Error{Func: "ncclCommGetAsyncError (async)", Code: InProgress}
+		return &nccl.Error{Func: "ncclCommGetAsyncError (async)", Code: nccl.InProgress}
 	case c.finalizing:
 		c.finalizing = false // answer InProgress once, like a real flush
-		return &Error{Func: "ncclCommGetAsyncError (async)", Code: InProgress}
+		return &nccl.Error{Func: "ncclCommGetAsyncError (async)", Code: nccl.InProgress}
 	}
 	return nil
 }
 
-func (f *Fake) AllReduce(send, recv DevPtr, count int, dt DataType, op RedOp, h CommHandle, s Stream) error {
-	if dt != Float32 || op != Sum {
-		return &Error{Func: "ncclAllReduce", Code: InvalidArgument, Detail: "the fake implements float32 sum only"}
+func (f *Fake) AllReduce(send, recv nccl.DevPtr, count int, dt nccl.DataType, op nccl.RedOp, h nccl.CommHandle, s nccl.Stream) error {
+	if dt != nccl.Float32 || op != nccl.Sum {
+		return &nccl.Error{Func: "ncclAllReduce", Code: nccl.InvalidArgument, Detail: "the fake implements float32 sum only"}
 	}
 	return f.collective(Call{Op: "AllReduce", Count: count, DType: dt, Bytes: count * dt.Size(), Send: send, Recv: recv}, h, s)
 }
 
-func (f *Fake) Broadcast(send, recv DevPtr, count int, dt DataType, root int, h CommHandle, s Stream) error {
+func (f *Fake) Broadcast(send, recv nccl.DevPtr, count int, dt nccl.DataType, root int, h nccl.CommHandle, s nccl.Stream) error {
 	if !dt.Valid() {
-		return &Error{Func: "ncclBroadcast", Code: InvalidArgument, Detail: dt.String()}
+		return &nccl.Error{Func: "ncclBroadcast", Code: nccl.InvalidArgument, Detail: dt.String()}
 	}
 	return f.collective(Call{Op: "Broadcast", Count: count, DType: dt, Bytes: count * dt.Size(), Root: root, Send: send, Recv: recv}, h, s)
 }
 
-func (f *Fake) collective(call Call, h CommHandle, s Stream) error {
+func (f *Fake) collective(call Call, h nccl.CommHandle, s nccl.Stream) error {
 	fn := "nccl" + call.Op
 	f.mu.Lock()
 	c, err := f.comm(h, fn)
@@ -879,21 +885,21 @@ func (f *Fake) collective(call Call, h CommHandle, s Stream) error {
 	}
 	if !c.g.ready {
 		f.mu.Unlock()
-		return &Error{Func: fn, Code: InvalidUsage, Detail: "communicator initialisation not complete"}
+		return &nccl.Error{Func: fn, Code: nccl.InvalidUsage, Detail: "communicator initialisation not complete"}
 	}
 	if call.Root < 0 || call.Root >= c.g.world {
 		f.mu.Unlock()
-		return &Error{Func: fn, Code: InvalidArgument, Detail: fmt.Sprintf("root %d", call.Root)}
+		return &nccl.Error{Func: fn, Code: nccl.InvalidArgument, Detail: fmt.Sprintf("root %d", call.Root)}
 	}
-	for _, p := range []DevPtr{call.Send, call.Recv} {
+	for _, p := range []nccl.DevPtr{call.Send, call.Recv} {
 		_, dev, err := f.devSlice(p, call.Bytes)
 		if err != nil {
 			f.mu.Unlock()
-			return &Error{Func: fn, Code: InvalidArgument, Detail: err.Error()}
+			return &nccl.Error{Func: fn, Code: nccl.InvalidArgument, Detail: err.Error()}
 		}
 		if dev != c.dev {
 			f.mu.Unlock()
-			return &Error{Func: fn, Code: InvalidArgument, Detail: fmt.Sprintf("buffer %#x is on device %d, the communicator on %d", uintptr(p), dev, c.dev)}
+			return &nccl.Error{Func: fn, Code: nccl.InvalidArgument, Detail: fmt.Sprintf("buffer %#x is on device %d, the communicator on %d", uintptr(p), dev, c.dev)}
 		}
 	}
 	call.Comm, call.Rank, call.World, call.Device = h, c.rank, c.g.world, c.dev
@@ -967,7 +973,7 @@ func (f *Fake) complete(g *fakeGroup, slot *fakeSlot) {
 		c := p.call
 		if c.Op != first.Op || c.Count != first.Count || c.DType != first.DType || c.Root != first.Root {
 			for _, q := range slot.posts {
-				q.comm.asyncErr = InvalidUsage
+				q.comm.asyncErr = nccl.InvalidUsage
 				q.comm.detail = fmt.Sprintf("collective %d mismatch: rank %d %s %d x %v root %d, rank %d %s %d x %v root %d",
 					c.Index, first.Rank, first.Op, first.Count, first.DType, first.Root, c.Rank, c.Op, c.Count, c.DType, c.Root)
 			}
@@ -982,7 +988,7 @@ func (f *Fake) complete(g *fakeGroup, slot *fakeSlot) {
 		}
 		src, _, err := f.devSlice(root.call.Send, root.call.Bytes)
 		if err != nil {
-			root.comm.asyncErr, root.comm.detail = UnhandledCudaError, err.Error()
+			root.comm.asyncErr, root.comm.detail = nccl.UnhandledCudaError, err.Error()
 			return
 		}
 		if f.cfg.KeepData {
@@ -991,7 +997,7 @@ func (f *Fake) complete(g *fakeGroup, slot *fakeSlot) {
 		for _, p := range slot.posts {
 			dst, _, err := f.devSlice(p.call.Recv, p.call.Bytes)
 			if err != nil {
-				p.comm.asyncErr, p.comm.detail = UnhandledCudaError, err.Error()
+				p.comm.asyncErr, p.comm.detail = nccl.UnhandledCudaError, err.Error()
 				continue
 			}
 			copy(dst, src)
@@ -1013,7 +1019,7 @@ func (f *Fake) complete(g *fakeGroup, slot *fakeSlot) {
 	}
 }
 
-func (f *Fake) CommAbort(h CommHandle) error {
+func (f *Fake) CommAbort(h nccl.CommHandle) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	c, err := f.comm(h, "ncclCommAbort")
@@ -1026,7 +1032,7 @@ func (f *Fake) CommAbort(h CommHandle) error {
 	// The other ranks' sockets close: they see a remote error, as with NCCL.
 	for _, m := range c.g.members {
 		if m.asyncErr == 0 {
-			m.asyncErr, m.detail = RemoteError, fmt.Sprintf("rank %d aborted its communicator", c.rank)
+			m.asyncErr, m.detail = nccl.RemoteError, fmt.Sprintf("rank %d aborted its communicator", c.rank)
 		}
 	}
 	f.cond.Broadcast()
@@ -1040,7 +1046,7 @@ func (f *Fake) leave(c *fakeComm) {
 	}
 }
 
-func (f *Fake) CommFinalize(h CommHandle) error {
+func (f *Fake) CommFinalize(h nccl.CommHandle) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	c, err := f.comm(h, "ncclCommFinalize")
@@ -1050,12 +1056,12 @@ func (f *Fake) CommFinalize(h CommHandle) error {
 	f.record(Call{Op: "CommFinalize", Comm: h, Rank: c.rank, World: c.g.world, Device: c.dev})
 	if !c.blocking {
 		c.finalizing = true
-		return &Error{Func: "ncclCommFinalize", Code: InProgress}
+		return &nccl.Error{Func: "ncclCommFinalize", Code: nccl.InProgress}
 	}
 	return nil
 }
 
-func (f *Fake) CommDestroy(h CommHandle) error {
+func (f *Fake) CommDestroy(h nccl.CommHandle) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	c, err := f.comm(h, "ncclCommDestroy")

@@ -1,10 +1,12 @@
-package nccl
+package nccltest
 
 import (
 	"bytes"
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/rlflow/rlflow/nccl"
 )
 
 // The Fake's HostRegister behaves like CUDA where the staging code depends
@@ -12,18 +14,18 @@ import (
 // memory work, unregistering before a pending copy ran is caught, leftover
 // registrations are leaks, and a hook can make registration fail.
 func TestFakeHostRegister(t *testing.T) {
-	f := NewFake(FakeConfig{OpDelay: 20e6}) // 20 ms per stream op
+	f := NewFake(Config{OpDelay: 20e6}) // 20 ms per stream op
 	mem := make([]byte, 4*4096)
 	for i := range mem {
 		mem[i] = byte(i * 7)
 	}
-	if err := f.HostRegister(mem[:8192], HostRegisterReadOnly|HostRegisterPortable); err != nil {
+	if err := f.HostRegister(mem[:8192], nccl.HostRegisterReadOnly|nccl.HostRegisterPortable); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.HostRegister(mem[4096:12288], HostRegisterReadOnly); !errors.Is(err, CudaErrorHostMemAlreadyReg) {
+	if err := f.HostRegister(mem[4096:12288], nccl.HostRegisterReadOnly); !errors.Is(err, nccl.CudaErrorHostMemAlreadyReg) {
 		t.Fatalf("overlapping registration: %v, want cudaErrorHostMemoryAlreadyRegistered", err)
 	}
-	if err := f.HostRegister(mem[8192:], HostRegisterReadOnly); err != nil {
+	if err := f.HostRegister(mem[8192:], nccl.HostRegisterReadOnly); err != nil {
 		t.Fatalf("adjacent registration: %v", err)
 	}
 	if l := f.Leaks(); !strings.Contains(l, "2 host registrations") {
@@ -33,10 +35,10 @@ func TestFakeHostRegister(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, _ := f.StreamCreate(StreamNonBlocking)
+	s, _ := f.StreamCreate(nccl.StreamNonBlocking)
 	// A copy spanning two registrations is refused, as the staging code
 	// assumes (it splits copies at segment boundaries).
-	if err := f.MemcpyHtoDAsync(d, mem[4000:9000], s); !errors.Is(err, ErrNotPinned) {
+	if err := f.MemcpyHtoDAsync(d, mem[4000:9000], s); !errors.Is(err, nccl.ErrNotPinned) {
 		t.Fatalf("copy across registrations: %v, want ErrNotPinned", err)
 	}
 	if err := f.MemcpyHtoDAsync(d, mem[:8192], s); err != nil {
@@ -56,19 +58,19 @@ func TestFakeHostRegister(t *testing.T) {
 	if err := f.HostUnregister(mem[8192:]); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.StreamSynchronize(s); !errors.Is(err, CudaErrorIllegalAddress) {
+	if err := f.StreamSynchronize(s); !errors.Is(err, nccl.CudaErrorIllegalAddress) {
 		t.Fatalf("copy after unregister: %v, want an illegal address", err)
 	}
 	if err := f.HostUnregister(mem[:8192]); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.HostUnregister(mem[:8192]); !errors.Is(err, CudaErrorHostMemNotReg) {
+	if err := f.HostUnregister(mem[:8192]); !errors.Is(err, nccl.CudaErrorHostMemNotReg) {
 		t.Fatalf("second unregister: %v", err)
 	}
 	f.OnHostRegister(func(b []byte, flags uint) error {
-		return &Error{Func: "cudaHostRegister", Code: CudaErrorNotSupported}
+		return &nccl.Error{Func: "cudaHostRegister", Code: nccl.CudaErrorNotSupported}
 	})
-	if err := f.HostRegister(mem, HostRegisterReadOnly); !errors.Is(err, CudaErrorNotSupported) {
+	if err := f.HostRegister(mem, nccl.HostRegisterReadOnly); !errors.Is(err, nccl.CudaErrorNotSupported) {
 		t.Fatalf("hooked registration: %v", err)
 	}
 	f.OnHostRegister(nil)
