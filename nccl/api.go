@@ -4,7 +4,8 @@ import "time"
 
 // API is the slice of NCCL and the CUDA runtime that rlflow uses, one method
 // per C function (names without the nccl/cuda prefix). *Library implements it
-// with the dlopen'd libraries and *Fake with host memory.
+// with the dlopen'd libraries; nccltest.Fake (nccltest.NewFake) with host
+// memory, for tests.
 //
 // Thread ownership: the CUDA current device is per OS thread, so call these
 // methods only from a goroutine that is locked to its OS thread and on which

@@ -5,8 +5,9 @@
 // or libraries are needed to build), so one binary builds on any Linux
 // machine and runs wherever libnccl.so.2 and libcudart.so.* are installed.
 // Everything the higher layers need is behind the API interface: *Library is
-// the real implementation, *Fake a test double that simulates devices,
-// streams, events and NCCL groups in host memory.
+// the real implementation; the test double that simulates devices, streams,
+// events and NCCL groups in host memory is *nccltest.Fake
+// (nccltest.NewFake(nccltest.Config{...}), package nccl/nccltest).
 //
 // Invariants:
 //

@@ -6,6 +6,6 @@ import "syscall"
 
 // ThreadID identifies the calling OS thread. Device uses it to run nested
 // requests inline (a request made from the actor's own goroutine would
-// otherwise deadlock) and the Fake to keep a current device per thread, as
-// CUDA does.
+// otherwise deadlock) and nccltest.Fake to keep a current device per
+// thread, as CUDA does.
 func ThreadID() int { return syscall.Gettid() }

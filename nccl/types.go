@@ -85,7 +85,7 @@ type RedOp int
 const Sum RedOp = 0
 
 // Result is an ncclResult_t. Non-zero values implement error; the texts are
-// those of ncclGetErrorString, so a Fake produces the same messages.
+// those of ncclGetErrorString, so nccltest.Fake produces the same messages.
 type Result int
 
 // The NCCL result codes.

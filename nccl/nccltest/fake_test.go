@@ -9,10 +9,9 @@ import (
 	"github.com/rlflow/rlflow/nccl"
 )
 
-// The Fake's HostRegister behaves like CUDA where the staging code depends
-// on it: overlapping registrations are refused, copies from registered
-// memory work, unregistering before a pending copy ran is caught, leftover
-// registrations are leaks, and a hook can make registration fail.
+// The Fake's HostRegister behaves like CUDA: overlapping registrations are
+// refused, copies from registered memory work, unregistering before a
+// pending copy ran is caught, and leftover registrations are leaks.
 func TestFakeHostRegister(t *testing.T) {
 	f := NewFake(Config{OpDelay: 20e6}) // 20 ms per stream op
 	mem := make([]byte, 4*4096)
@@ -36,8 +35,8 @@ func TestFakeHostRegister(t *testing.T) {
 		t.Fatal(err)
 	}
 	s, _ := f.StreamCreate(nccl.StreamNonBlocking)
-	// A copy spanning two registrations is refused, as the staging code
-	// assumes (it splits copies at segment boundaries).
+	// A copy spanning two registrations is refused, as by nccl.Library:
+	// each registration is its own pinned range.
 	if err := f.MemcpyHtoDAsync(d, mem[4000:9000], s); !errors.Is(err, nccl.ErrNotPinned) {
 		t.Fatalf("copy across registrations: %v, want ErrNotPinned", err)
 	}
@@ -67,13 +66,6 @@ func TestFakeHostRegister(t *testing.T) {
 	if err := f.HostUnregister(mem[:8192]); !errors.Is(err, nccl.CudaErrorHostMemNotReg) {
 		t.Fatalf("second unregister: %v", err)
 	}
-	f.OnHostRegister(func(b []byte, flags uint) error {
-		return &nccl.Error{Func: "cudaHostRegister", Code: nccl.CudaErrorNotSupported}
-	})
-	if err := f.HostRegister(mem, nccl.HostRegisterReadOnly); !errors.Is(err, nccl.CudaErrorNotSupported) {
-		t.Fatalf("hooked registration: %v", err)
-	}
-	f.OnHostRegister(nil)
 	_ = f.StreamDestroy(s)
 	_ = f.Free(d)
 	if l := f.Leaks(); l != "" {

@@ -18,8 +18,8 @@ type Source interface {
 }
 
 // MappedSource is a Source whose bytes are slices of read-only, page-aligned
-// file mappings (*safetensors.Checkpoint is one): ModeRegister page-locks
-// those mappings in place instead of copying them.
+// file mappings (*safetensors.Checkpoint is one): Options.PrefaultWorkers
+// fault those mappings in ahead of the host copy.
 type MappedSource interface {
 	Source
 	// Mapping returns the whole mapping holding t's bytes and the offset of
@@ -87,7 +87,7 @@ func (h *hostCopier) parts(c Chunk, from, to int64) ([]copyPart, []span, error) 
 			return nil, nil, fmt.Errorf("staging: tensor %q: %w", p.Src.Name, err)
 		}
 		// Unconverted bytes are copied as bytes, so a piece may be cut
-		// anywhere (a registered segment ends at a page, not an element).
+		// anywhere (a window may end inside an element).
 		si, di := int64(1), int64(1)
 		if conv != nil {
 			si, di = int64(p.Src.DType.ItemSize()), int64(p.Wire.ItemSize())

@@ -8,12 +8,7 @@
 // communicator's stream, so that chunk k is on the wire while chunk k+1 is
 // being staged. Slots of a few MiB are still in the CPU's cache when the
 // copy engine reads them: the staged bytes cross DRAM once instead of three
-// times, which is what lets the copy keep up with PCIe Gen5. ModeRegister
-// skips the host copy: it page-locks the read-only mapping in place
-// (cudaHostRegister, ReadOnly), segment by segment on helper threads,
-// copies to the device straight from it and unregisters each segment once
-// the copies reading it completed; conversions and failed registrations
-// fall back to the pinned ring.
+// times, which is what lets the copy keep up with PCIe Gen5.
 // DefaultOptions holds the strategy a zero Options gets.
 //
 // Invariants:
@@ -31,15 +26,12 @@
 //     broadcast mode: a copy queued behind a broadcast whose peer died ends
 //     the transfer with NCCL's error, not a hang).
 //   - All CUDA and NCCL calls run on the communicator's (or the stage-only
-//     Device's) actor thread, except cudaHostRegister/Unregister and the
-//     event queries that gate an unregistration, which run on the
-//     pipeline's own helper Devices (their own locked threads, same
-//     device); host copies run on ordinary goroutines and touch only pinned
-//     host memory that no copy in flight reads.
-//   - A registered segment is unregistered only after the event following
-//     the last copy that reads it completed, and never while the copy
-//     stream could not be drained after a failure (it stays registered,
-//     like the device buffers then).
+//     Device's) actor thread; host copies (and prefaulting, if asked for)
+//     run on ordinary goroutines, and the copies touch only pinned host
+//     memory that no copy in flight reads.
+//   - After a failure whose copies could not be drained, the device
+//     buffers and pinned slots stay allocated (the GPU may still use them)
+//     and the pipeline refuses every later run.
 //   - Every wait polls and watches the context and the communicator's
 //     asynchronous error. Any failure in broadcast mode aborts the
 //     communicator: the receivers would otherwise wait forever for the rest

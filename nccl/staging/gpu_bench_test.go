@@ -10,7 +10,6 @@ import (
 	"slices"
 	"sort"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -115,7 +114,7 @@ func stageConfigs() []stageConfig {
 	pk := func(name string, o Options) stageConfig { return stageConfig{name, true, G, o, true} }
 	const M = 1 << 20
 	ring := func(name string, o Options) stageConfig {
-		o.Mode, o.Buffers = ModeCopy, 2
+		o.Buffers = 2
 		return pk(name, o)
 	}
 	return []stageConfig{
@@ -135,7 +134,7 @@ func stageConfigs() []stageConfig {
 		pk("default-prefault2", Options{PrefaultWorkers: 2}),
 		// A 128 MiB ring of 4 MiB pinned slots, one worker per slot, with
 		// GOMAXPROCS (at most 16, as the default), 14 and 12 copy workers:
-		// the best on a 300 MiB-L3 host, far worse on another.
+		// the best on one host, far worse on another (nccl/GPU-RESULTS.md).
 		ring("ring-w4M-128M", Options{WindowBytes: 4 * M, PinnedBytes: 128 * M, SplitBytes: 8 * M}),
 		// The previous default, as a ring: 128 MiB windows in 2 GiB of
 		// pinned memory (it had 2 x 1 GiB buffers filled in 128 MiB
@@ -165,18 +164,14 @@ func stageConfigs() []stageConfig {
 		// copy engine reads DRAM again (expected slower).
 		ring("ring-w4M-128M-wc", Options{WindowBytes: 4 * M, PinnedBytes: 128 * M, HostAllocFlags: nccl.HostAllocPortable | nccl.HostAllocWriteCombined, SplitBytes: 8 * M}),
 		ring("ring-w2M-128M", Options{WindowBytes: 2 * M, PinnedBytes: 128 * M, SplitBytes: 8 * M}),
-		// The 64 MiB footprint in larger copies (a 2 MiB copy runs at 92% of
-		// the ceiling by itself, a 4 MiB one at 96%), several workers per
-		// window so that as many slots are in flight (4 MiB slots in 1 MiB
-		// parts became the default).
+		// The 64 MiB footprint in larger copies (which run closer to the
+		// ceiling by themselves, see nccl/GPU-RESULTS.md), several workers
+		// per window so that as many slots are in flight (4 MiB slots in 1
+		// MiB parts became the default).
 		ring("ring-w4M-64M-parts2M", Options{WindowBytes: 4 * M, PinnedBytes: 64 * M, SplitBytes: 2 * M}),
 		ring("ring-w8M-64M-parts2M", Options{WindowBytes: 8 * M, PinnedBytes: 64 * M, SplitBytes: 2 * M}),
 		ring("ring-w8M-128M-parts2M", Options{WindowBytes: 8 * M, PinnedBytes: 128 * M, SplitBytes: 2 * M}),
 		ring("ring-w2M-32M-parts1M", Options{WindowBytes: 2 * M, PinnedBytes: 32 * M, SplitBytes: 1 * M}),
-		// The checkpoint registered in place (no host copy), alone and
-		// with half of each chunk through the ring.
-		pk("register-s64M-r4", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 * M, RegisterWorkers: 4, WindowBytes: 64 * M}),
-		pk("register-s64M-r8-copy50", Options{Mode: ModeRegister, RegisterSegmentBytes: 64 * M, RegisterWorkers: 8, WindowBytes: 64 * M, CopyFraction: 0.5}),
 		// Other layouts with the default options, for reference.
 		{"default-packed-256MiB", true, 256 << 20, Options{}, false},
 		{"default-nonpacked", false, 0, Options{}, false},
@@ -216,76 +211,6 @@ func verifyDevice(dev *nccl.Device, p *Pipeline, ck *safetensors.Checkpoint, chu
 	return nil
 }
 
-// probeRegister measures cudaHostRegister on the checkpoint's mapping by
-// itself: which flags the platform accepts for a read-only file mapping,
-// and how fast one thread pins 1 GiB of it, fresh (page tables empty) and
-// again once faulted in. It explains the ModeRegister figures (and their
-// fallback, if any).
-func probeRegister(t *testing.T, dev *nccl.Device, path string) {
-	ck, err := safetensors.OpenCheckpoint(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck.Close()
-	m, _, err := ck.Mapping(ck.Tensors()[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	reg := func(b []byte, flags uint) (time.Duration, time.Duration, error) {
-		var r, u time.Duration
-		err := dev.Do(context.Background(), func(api nccl.API) error {
-			t0 := time.Now()
-			if err := api.HostRegister(b, flags); err != nil {
-				return err
-			}
-			r = time.Since(t0)
-			t1 := time.Now()
-			err := api.HostUnregister(b)
-			u = time.Since(t1)
-			return err
-		})
-		return r, u, err
-	}
-	seg := m[:min(len(m), 64<<20)&^(os.Getpagesize()-1)]
-	for _, f := range []struct {
-		name  string
-		flags uint
-	}{
-		{"ReadOnly|Portable", nccl.HostRegisterReadOnly | nccl.HostRegisterPortable},
-		{"ReadOnly", nccl.HostRegisterReadOnly},
-		{"Portable", nccl.HostRegisterPortable},
-		{"Default", nccl.HostRegisterDefault},
-	} {
-		r, u, err := reg(seg, f.flags)
-		fmt.Printf("GPU-FIGURE stage probe cudaHostRegister(%d MiB of the read-only mapping, %s): register %.2f ms, unregister %.2f ms, error: %v\n",
-			len(seg)>>20, f.name, 1e3*r.Seconds(), 1e3*u.Seconds(), err)
-	}
-	// A second mapping: the flag probes above faulted the first 64 MiB of
-	// the first one in.
-	ck2, err := safetensors.OpenCheckpoint(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck2.Close()
-	m2, _, err := ck2.Mapping(ck2.Tensors()[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	big := m2[:min(len(m2), 1<<30)&^(os.Getpagesize()-1)]
-	for _, pass := range []string{"fresh mapping", "faulted in"} {
-		if pass == "faulted in" {
-			populate(big)
-		}
-		r, u, err := reg(big, RegisterFlags)
-		fmt.Printf("GPU-FIGURE stage probe cudaHostRegister(%d MiB, one call, %s): %.1f ms (%.2f GB/s), unregister %.1f ms (%.2f GB/s), error: %v\n",
-			len(big)>>20, pass, 1e3*r.Seconds(), gbps(int64(len(big)), r), 1e3*u.Seconds(), gbps(int64(len(big)), u), err)
-		figure(t, "stage.probe.register_1GiB_"+strings.ReplaceAll(pass, " ", "_")+"_GBps", gbps(int64(len(big)), r))
-	}
-	t0 := time.Now()
-	populate(big)
-	fmt.Printf("GPU-FIGURE stage probe madvise(MADV_POPULATE_READ, %d MiB, already faulted): %.1f ms\n", len(big)>>20, 1e3*time.Since(t0).Seconds())
-}
-
 func median(xs []float64) float64 {
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
@@ -299,11 +224,10 @@ func median(xs []float64) float64 {
 // through the pipeline, against the pinned H2D ceiling of the same run, for
 // every staging candidate (stageConfigs). In each of RLFLOW_STAGE_PASSES
 // passes (default 1) over the candidates, each runs three times on a fresh
-// mapping (the checkpoint arrives new every update: page faults,
-// registration and unregistration included) and once more on the mapping
-// already faulted in; its figure is the median of all its fresh runs,
-// against the median ceiling of the passes. The last
-// chunks are compared byte for byte on the device. The best packed-1GiB
+// mapping (the checkpoint arrives new every update: page faults
+// included) and once more on the mapping already faulted in; its figure is
+// the median of all its fresh runs, against the median ceiling of the
+// passes. The last chunks are compared byte for byte on the device. The best packed-1GiB
 // candidate is the reported figure.
 func TestGPUBenchStage(t *testing.T) {
 	lib := gputest.Lib(t)
@@ -327,8 +251,6 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	ceiling64 := pinnedCeiling(t, dev, 64<<20, 40)
 	figure(t, "stage.pinned_h2d_ceiling_64MiB_GBps", ceiling64)
 	fmt.Printf("GPU-FIGURE stage pinned ceiling: 1 GiB copies %.2f GB/s, 64 MiB copies %.2f GB/s\n", ceiling, ceiling64)
-
-	probeRegister(t, dev, path)
 
 	budget := time.Duration(gputest.EnvInt(t, "RLFLOW_STAGE_BUDGET_S", 180)) * time.Second
 	sweepStart := time.Now()
@@ -369,23 +291,9 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		figure(t, key+".overlap", res.Overlap())
 		figure(t, key+".cpu_steal", cpu.Steal)
 		figure(t, key+".process_cpus", cpu.ProcCPUs)
-		if res.Mode == ModeRegister {
-			figure(t, key+".register_s", res.Register.Seconds())
-			figure(t, key+".unregister_s", res.Unregister.Seconds())
-			figure(t, key+".unregister_tail_s", res.UnregisterTail.Seconds())
-			figure(t, key+".direct_bytes", res.Direct)
-		}
 		extra := ""
-		if res.Mode == ModeRegister {
-			extra = fmt.Sprintf("; register %.1f ms summed over %d threads (%.2f GB/s per thread), unregister %.1f ms summed (%d of %d segments early, tail %.1f ms in wall), direct %.0f%%",
-				1e3*res.Register.Seconds(), res.RegisterWorkers, gbps(res.Registered, res.Register), 1e3*res.Unregister.Seconds(),
-				res.EarlyUnregistered, res.Segments, 1e3*res.UnregisterTail.Seconds(), 100*float64(res.Direct)/float64(max(res.Bytes, 1)))
-		}
 		if res.Prefault > 0 {
 			extra += fmt.Sprintf("; prefault %.0f ms summed", 1e3*res.Prefault.Seconds())
-		}
-		if res.Fallback != "" {
-			extra += "; FALLBACK to the host copy: " + res.Fallback
 		}
 		fmt.Printf("GPU-FIGURE stage %-28s %-8s %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s; wall %.0f ms; host copy %.2f GB/s; H2D %.2f GB/s (GPU busy %.0f%% of wall); overlap %.2f; %d windows, %d pinned slots of %d KiB, host waited %.1f ms; %v%s\n",
 			c.name, pass, gb, 100*gb/ceiling, ceiling, 1e3*res.Wall.Seconds(), gbps(res.Copied, res.HostCopy), gbps(res.Bytes, res.H2D),
@@ -398,12 +306,11 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	// figures of every other candidate.
 	// What the passes gathered per candidate.
 	type tally struct {
-		fresh    []float64 // the fresh runs' GB/s, every pass
-		opts     Options   // as the pipeline resolved them
-		failed   bool      // a run failed: no more passes, no figure
-		fellBack bool      // a ModeRegister run fell back to the host copy
+		fresh  []float64 // the fresh runs' GB/s, every pass
+		opts   Options   // as the pipeline resolved them
+		failed bool      // a run failed: no more passes, no figure
 	}
-	runConfig := func(c stageConfig, tl *tally) (fresh []float64, opts Options, err error) {
+	runConfig := func(c stageConfig) (fresh []float64, opts Options, err error) {
 		ck, err := safetensors.OpenCheckpoint(path)
 		if err != nil {
 			return nil, opts, err
@@ -429,13 +336,10 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 				return 0, fmt.Errorf("%s: %w", pass, err)
 			}
 			t.Logf("%s %s: %v", c.name, pass, res)
-			if res.Fallback != "" {
-				tl.fellBack = true
-			}
 			return fig(c, pass, res, cpu), nil
 		}
 		for i := 0; i < 3; i++ {
-			if i > 0 { // a fresh mapping: page faults (and registration) included
+			if i > 0 { // a fresh mapping: page faults included
 				ck.Close()
 				if ck, err = safetensors.OpenCheckpoint(path); err != nil {
 					return nil, opts, err
@@ -497,7 +401,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 				fmt.Printf("GPU-FIGURE stage %-28s pass %d skipped: the sweep's %v budget is spent (RLFLOW_STAGE_BUDGET_S)\n", c.name, pass+1, budget)
 				continue
 			}
-			fs, opts, err := runConfig(c, tl)
+			fs, opts, err := runConfig(c)
 			if err != nil {
 				gputest.Verdict(t, false, "%s: %v", c.name, err)
 				tl.failed = true
@@ -524,12 +428,6 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		figure(t, fmt.Sprintf("stage.%s.median_fresh_GBps", c.name), m)
 		fmt.Printf("GPU-FIGURE stage %-28s MEDIAN   %6.2f GB/s = %4.0f%% of pinned ceiling %.2f GB/s (fresh mapping, %d runs over %d passes; min %.0f%%, max %.0f%%)\n",
 			c.name, m, 100*m/ceiling, ceiling, len(fs), passes, 100*slices.Min(fs)/ceiling, 100*slices.Max(fs)/ceiling)
-		if tl.fellBack {
-			// It measured the copy path under a register name: not a
-			// candidate for the default.
-			fmt.Printf("GPU-FIGURE stage %-28s not eligible for BEST: registration fell back to the host copy\n", c.name)
-			continue
-		}
 		if c.candidate && (best == nil || m > best.gbps) {
 			best = &outcome{c: c, gbps: m, opts: opts}
 		}
@@ -568,10 +466,8 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 
 // optionsLiteral writes o as the fields of a DefaultOptions literal.
 func optionsLiteral(o Options) string {
-	return fmt.Sprintf("Mode: %s, Buffers: %d, CopyWorkers: %d, SplitBytes: %d, WindowBytes: %d, PinnedBytes: %d, HostAllocFlags: %d, RegisterSegmentBytes: %d, RegisterWorkers: %d, PrefaultWorkers: %d, Unregister: %s, CopyFraction: %g",
-		map[Mode]string{ModeCopy: "ModeCopy", ModeRegister: "ModeRegister"}[o.Mode], o.Buffers, o.CopyWorkers, o.SplitBytes, o.WindowBytes, o.PinnedBytes, o.HostAllocFlags,
-		o.RegisterSegmentBytes, o.RegisterWorkers, o.PrefaultWorkers,
-		map[UnregisterPolicy]string{UnregisterAtEnd: "UnregisterAtEnd", UnregisterEarly: "UnregisterEarly"}[o.Unregister], o.CopyFraction)
+	return fmt.Sprintf("Buffers: %d, CopyWorkers: %d, SplitBytes: %d, WindowBytes: %d, PinnedBytes: %d, HostAllocFlags: %d, PrefaultWorkers: %d",
+		o.Buffers, o.CopyWorkers, o.SplitBytes, o.WindowBytes, o.PinnedBytes, o.HostAllocFlags, o.PrefaultWorkers)
 }
 
 // benchWorld is the world size of the Go-against-torch benchmarks:
@@ -802,7 +698,7 @@ func rawTorch(t *testing.T, pl gputest.Placement, size, reps int) float64 {
 // so that a device call is not spent finding a bug in the benchmark. Its
 // figures mean nothing.
 func TestBenchStageDryRun(t *testing.T) {
-	t.Setenv("RLFLOW_STAGE_CONFIGS", "^(default|ring-w2M-64M|ring-w8M-64M-parts2M|register-s64M-r4)$")
+	t.Setenv("RLFLOW_STAGE_CONFIGS", "^(default|ring-w2M-64M|ring-w8M-64M-parts2M|default-prefault2)$")
 	t.Setenv("RLFLOW_STAGE_PASSES", "2")
 	t.Setenv("RLFLOW_GPU_DIR", t.TempDir())
 	t.Setenv("RLFLOW_GPU_LOGS", t.TempDir()) // figures.json, not in the source tree

@@ -263,7 +263,6 @@ type proc struct {
 	done   chan struct{}
 	err    error
 	mu     sync.Mutex
-	ready  bool
 }
 
 // launch runs a Python script with its own NCCL_HOSTID, logging its output.

@@ -14,15 +14,15 @@ import (
 // copy workers fill and the copy engine drains, each reused once the
 // host-to-device copy that read it has completed.
 //
-// Why slots and not a chunk-sized buffer: on the H200 hosts that took the
-// page cache -> device path from 55-62% to 78-93% of the pinned
-// host-to-device ceiling (nccl/GPU-RESULTS.md), pinning 64 MiB instead of
-// N chunks. The working explanation, not established: a slot of a few MiB
-// is still in the CPU's cache when the copy engine reads it, so a staged
-// byte crosses DRAM once (the page-cache read) instead of three times
-// (read, write of the pinned buffer, DMA read of it). It fits the ring
-// sizes measured: one host did 85-87% with 128 MiB and 82-83% with 64 MiB,
-// another 52% and 78%.
+// Why slots and not a chunk-sized buffer: on the GPU hosts that took the
+// page cache -> device path from well below to near the pinned
+// host-to-device ceiling, pinning 64 MiB instead of N chunks (the figures
+// are in nccl/GPU-RESULTS.md). The working explanation, not established: a
+// slot of a few MiB is still in the CPU's cache when the copy engine reads
+// it, so a staged byte crosses DRAM once (the page-cache read) instead of
+// three times (read, write of the pinned buffer, DMA read of it). It fits
+// the ring sizes measured: a 128 MiB ring did as well as a 64 MiB one on
+// one host and far worse on another.
 //
 // Invariant: a slot is in free, held by the one fill that took it, or in
 // busy (its copy enqueued on the copy stream, in stream order), never two

@@ -23,9 +23,6 @@ const (
 	UniqueIDKey = "/broadcast_from/0/0"
 )
 
-// UserKey is the wire key torch uses for the store key k ("/" + k).
-func UserKey(k string) string { return "/" + k }
-
 // maxReplyValue bounds a value the client accepts from a server.
 const maxReplyValue = 1 << 30
 
@@ -33,7 +30,7 @@ const maxReplyValue = 1 << 30
 const cancelGrace = 10 * time.Second
 
 // Client is a torch 2.x compatible TCPStore client. Keys are wire keys,
-// sent verbatim (use UserKey for torch's "/" prefix). Methods are safe for
+// sent verbatim (torch's store key k is the wire key "/" + k). Methods are safe for
 // concurrent use (requests are serialised) and honour their context's
 // deadline and cancellation. After a transport error or an interrupted
 // request the client is unusable and every method returns that error.

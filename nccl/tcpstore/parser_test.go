@@ -11,8 +11,8 @@ import (
 var fuzzLimits = limits{maxKey: 16, maxValue: 64, maxCount: 8, maxFrame: 512}
 
 // parseAll feeds data in the given chunk sizes (cycled; 0 means 1) and
-// returns the requests, the first error, and the unconsumed byte count.
-func parseAll(lim limits, data []byte, chunks []byte) ([]request, error, int) {
+// returns the requests, the unconsumed byte count, and the first error.
+func parseAll(lim limits, data []byte, chunks []byte) ([]request, int, error) {
 	p := parser{lim: lim}
 	var out []request
 	i, ci := 0, 0
@@ -33,7 +33,7 @@ func parseAll(lim limits, data []byte, chunks []byte) ([]request, error, int) {
 		for {
 			r, err := p.next()
 			if err != nil {
-				return out, err, -1
+				return out, -1, err
 			}
 			if r == nil {
 				break
@@ -42,7 +42,7 @@ func parseAll(lim limits, data []byte, chunks []byte) ([]request, error, int) {
 		}
 	}
 	rest := len(p.buf)
-	return out, nil, rest
+	return out, rest, nil
 }
 
 func sampleRequests() []request {
@@ -98,7 +98,7 @@ func TestParserEveryQueryAnyChunking(t *testing.T) {
 	rs := sampleRequests()
 	data := encodeAll(rs)
 	for _, chunks := range [][]byte{nil, {1}, {2}, {3}, {7}, {1, 9, 2, 255}, {100}} {
-		got, err, rest := parseAll(limits{maxKey: 64, maxValue: 64, maxCount: 8, maxFrame: 1024}, data, chunks)
+		got, rest, err := parseAll(limits{maxKey: 64, maxValue: 64, maxCount: 8, maxFrame: 1024}, data, chunks)
 		if err != nil || rest != 0 {
 			t.Fatalf("chunks %v: err %v rest %d", chunks, err, rest)
 		}
@@ -109,7 +109,7 @@ func TestParserEveryQueryAnyChunking(t *testing.T) {
 	// Every strict prefix is incomplete, never an error, and yields exactly
 	// the requests that fit.
 	for cut := range len(data) {
-		got, err, _ := parseAll(limits{maxKey: 64, maxValue: 64, maxCount: 8, maxFrame: 1024}, data[:cut], nil)
+		got, _, err := parseAll(limits{maxKey: 64, maxValue: 64, maxCount: 8, maxFrame: 1024}, data[:cut], nil)
 		if err != nil {
 			t.Fatalf("prefix %d: %v", cut, err)
 		}
@@ -141,7 +141,7 @@ func TestParserErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err, _ := parseAll(fuzzLimits, hx(t, tc.in), []byte{1})
+			_, _, err := parseAll(fuzzLimits, hx(t, tc.in), []byte{1})
 			if err == nil || !errors.Is(err, errProtocol) || !bytesContains(err.Error(), tc.want) {
 				t.Fatalf("err = %v, want %q", err, tc.want)
 			}
@@ -160,8 +160,8 @@ func FuzzFrameParser(f *testing.F) {
 	f.Add([]byte{0x03, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}, []byte{2})
 	f.Add([]byte{0x0e}, []byte{})
 	f.Fuzz(func(t *testing.T, data, chunks []byte) {
-		whole, werr, wrest := parseAll(fuzzLimits, data, nil)
-		split, serr, srest := parseAll(fuzzLimits, data, chunks)
+		whole, wrest, werr := parseAll(fuzzLimits, data, nil)
+		split, srest, serr := parseAll(fuzzLimits, data, chunks)
 		// Chunking never changes the outcome.
 		if (werr == nil) != (serr == nil) || wrest != srest {
 			t.Fatalf("whole: %v rest %d; chunked: %v rest %d", werr, wrest, serr, srest)

@@ -16,7 +16,7 @@ Timing starts after the process group and its warm-up all-reduce are up
 (rendezvous excluded, as on the Go side) and ends after the last broadcast
 completed on the stream. Prints "RESULT {json}" on stdout; exit 0 on success.
 
-Placement is per process, as the Go tests decide it (internal/gputest.Place):
+Placement is per process, as the Go tests decide it (internal/testutil/gputest.Place):
 each rank gets --rank and --device. Single placement puts every rank on one
 GPU and needs a distinct NCCL_HOSTID per process (docs/gpu-testing.md);
 spread placement puts rank r on GPU r with no NCCL_HOSTID and

@@ -49,7 +49,7 @@ step() { # name, status
 	echo "loadavg: $(cat /proc/loadavg)"
 	head -1 /proc/stat; sleep 1; head -1 /proc/stat
 	# Where the bench checkpoints live and whether their page cache can be
-	# huge pages: it decides how fast the kernel pins (ModeRegister).
+	# huge pages: what faulting a fresh mapping in costs depends on both.
 	echo "kernel: $(uname -r)"
 	echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); shmem: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
 	df -T "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/fs: /'
