@@ -114,9 +114,7 @@ func (l *loader) entries(n *yaml.Node, path string) []entry {
 		case yaml.MappingNode:
 			sources = []*yaml.Node{dm}
 		case yaml.SequenceNode:
-			for _, s := range dm.Content {
-				sources = append(sources, s)
-			}
+			sources = append(sources, dm.Content...)
 		default:
 			sources = []*yaml.Node{m}
 		}
@@ -237,11 +235,11 @@ func (l *loader) decodeField(n *yaml.Node, rv reflect.Value, f *field, path stri
 			rv.SetString(s)
 		}
 	case reflect.Int, reflect.Int64:
-		if v, ok := l.integer(n, path); ok && l.checkMin(n, float64(v), f, path) {
+		if v, ok := l.integer(n, path); ok && l.checkRange(n, float64(v), f, path) {
 			rv.SetInt(v)
 		}
 	case reflect.Float64:
-		if v, ok := l.float(n, path); ok && l.checkMin(n, v, f, path) {
+		if v, ok := l.float(n, path); ok && l.checkRange(n, v, f, path) {
 			rv.SetFloat(v)
 		}
 	case reflect.Bool:
@@ -291,8 +289,14 @@ func (l *loader) decodeField(n *yaml.Node, rv reflect.Value, f *field, path stri
 
 // checkString applies a field's enum, pattern and length constraints.
 func (l *loader) checkString(n *yaml.Node, s string, f *field, path string) bool {
+	if f.check != nil {
+		if msg := f.check(s); msg != "" {
+			l.errNode(n, path, "%s", msg)
+			return false
+		}
+	}
 	switch {
-	case len(f.enum) > 0 && !contains(f.enum, s):
+	case f.check == nil && len(f.enum) > 0 && !contains(f.enum, s):
 		l.errNode(n, path, "%q is not one of %s%s", s, joinNames(f.enum), didYouMean(s, f.enum))
 		return false
 	case f.maxLen > 0 && len(s) > f.maxLen:
@@ -305,9 +309,14 @@ func (l *loader) checkString(n *yaml.Node, s string, f *field, path string) bool
 	return true
 }
 
-func (l *loader) checkMin(n *yaml.Node, v float64, f *field, path string) bool {
-	if f.min != nil && v < *f.min {
-		l.errNode(n, path, "must be at least %v, got %v", *f.min, v)
+// checkRange applies a number field's bounds, quoting the value as written.
+func (l *loader) checkRange(n *yaml.Node, v float64, f *field, path string) bool {
+	switch {
+	case f.min != nil && v < *f.min:
+		l.errNode(n, path, "must be at least %s, got %s", formatFloat(*f.min), deref(n).Value)
+		return false
+	case f.max != nil && v > *f.max:
+		l.errNode(n, path, "must be at most %s, got %s", formatFloat(*f.max), deref(n).Value)
 		return false
 	}
 	return true

@@ -17,9 +17,9 @@ func TestRLHFExamplesShape(t *testing.T) {
 		backend string
 		servers int
 	}{
-		{"examples/seed-nccl.yaml", []string{"world_size", "before", "init", "pause", "sync", "resume", "after"}, "nccl", 1},
-		{"examples/multi-server.yaml", []string{"rollout", "train", "pause", "sync", "resume", "eval"}, "nccl", 2},
-		{"examples/disk.yaml", []string{"rollout", "train", "pause", "sync", "resume", "eval"}, "disk", 1},
+		{"examples/seed-nccl.yaml", []string{"world_size", "before", "init", "pause", "sync", "resume", "after"}, BackendNCCL, 1},
+		{"examples/multi-server.yaml", []string{"rollout", "train", "pause", "sync", "resume", "eval"}, BackendNCCL, 2},
+		{"examples/disk.yaml", []string{"rollout", "train", "pause", "sync", "resume", "eval"}, BackendDisk, 1},
 	} {
 		t.Run(tc.file, func(t *testing.T) {
 			p, err := LoadFile(tc.file)
@@ -36,7 +36,7 @@ func TestRLHFExamplesShape(t *testing.T) {
 			if p.WeightTransfer == nil || p.WeightTransfer.Backend != tc.backend {
 				t.Errorf("weight_transfer %+v, want backend %s", p.WeightTransfer, tc.backend)
 			}
-			if tc.backend == "nccl" && !p.WeightTransfer.Packed {
+			if tc.backend == BackendNCCL && !p.WeightTransfer.Packed {
 				t.Error("nccl examples broadcast packed, as rlhf_http.py does")
 			}
 			if s, _ := p.StepByID("resume"); s == nil || !s.Always || s.Uses != StepResume {

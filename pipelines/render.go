@@ -90,6 +90,8 @@ type StepState struct {
 
 func (e Env) vars() map[string]any {
 	steps := make(map[string]any, len(e.Steps))
+	// Map to map: the order of the loop never shows.
+	//workflowcheck:ignore
 	for id, s := range e.Steps {
 		outs := s.Outputs
 		if outs == nil {
@@ -219,6 +221,7 @@ func Render(v any, env Env) (any, error) {
 	case map[string]any:
 		out := make(map[string]any, len(x))
 		keys := make([]string, 0, len(x))
+		//workflowcheck:ignore
 		for k := range x {
 			keys = append(keys, k)
 		}
@@ -263,6 +266,8 @@ func CoerceArgs(uses string, args map[string]any) {
 			}
 		case KindStringMap:
 			if m, ok := v.(map[string]any); ok {
+				// Each value is replaced in place: the order never shows.
+				//workflowcheck:ignore
 				for k, e := range m {
 					if _, isStr := e.(string); !isStr && e != nil {
 						m[k] = formatValue(e)

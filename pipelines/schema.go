@@ -2,6 +2,7 @@ package pipelines
 
 import (
 	"fmt"
+	"math"
 	"reflect"
 	"regexp"
 	"strings"
@@ -33,9 +34,17 @@ type field struct {
 	enum     []string
 	pattern  *regexp.Regexp // for strings, or each string of a list
 	maxLen   int
-	min      *float64 // for numbers
+	min, max *float64 // inclusive bounds of a number
 	minItems int      // for lists
-	index    int      // Go struct field index, resolved at init
+	// check is a string's (or each list entry's) own test, in place of
+	// the enum's generic message; it returns the problem or "".
+	check func(s string) string
+	// def is the value the code uses when the key is absent, typed as the
+	// JSON Schema's "default" (Durations as such); defDoc states it in
+	// words where there is no single value, or qualifies it.
+	def    any
+	defDoc string
+	index  int // Go struct field index, resolved at init
 }
 
 // object describes one YAML mapping with a fixed set of keys.
@@ -64,7 +73,9 @@ func (o *object) keyNames() []string {
 	return names
 }
 
-func minimum(v float64) *float64 { return &v }
+// maxInt32 bounds counts that reach Temporal (MaximumAttempts is an
+// int32) or are multiplied into one, so a file cannot overflow them.
+const maxInt32 = math.MaxInt32
 
 var (
 	nameRe       = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
@@ -75,7 +86,7 @@ var (
 	sizeRe       = regexp.MustCompile(`^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$`)
 	paramTypes   = []string{string(ParamString), string(ParamInt), string(ParamFloat), string(ParamBool), string(ParamDuration)}
 	serverAPIs   = []string{"A", "B", "C", "D"}
-	transferKind = []string{"nccl", "disk"}
+	transferKind = []string{BackendNCCL, BackendDisk}
 )
 
 var retryObj = &object{
@@ -83,11 +94,13 @@ var retryObj = &object{
 	doc: "A Temporal retry policy for a step's activity.",
 	typ: reflect.TypeOf(RetryPolicy{}),
 	fields: []field{
-		{name: "max_attempts", min: minimum(0), doc: "attempts in all, the first included; 0 means unlimited, 1 means no retry"},
-		{name: "initial_interval", doc: "wait before the first retry"},
-		{name: "backoff", min: minimum(1), doc: "factor the wait grows by after each retry (at least 1)"},
-		{name: "max_interval", doc: "cap on the wait between retries; at least initial_interval"},
-		{name: "non_retryable", doc: "error types that fail the step at once, without retrying"},
+		{name: "max_attempts", min: bound(0), max: bound(maxInt32), defDoc: fmt.Sprintf("0 (unlimited); a step with no retry policy at all gets %d attempts", DefaultMaxAttempts),
+			doc: "attempts in all, the first included; 0 means unlimited, 1 means no retry"},
+		{name: "initial_interval", defDoc: "Temporal's, 1s", doc: "wait before the first retry"},
+		{name: "backoff", min: bound(1), defDoc: "Temporal's, 2.0", doc: "factor the wait grows by after each retry"},
+		{name: "max_interval", defDoc: "Temporal's, 100 × initial_interval", doc: "cap on the wait between retries; at least initial_interval"},
+		{name: "non_retryable", enum: StepErrorTypes(), check: nonRetryableProblem, defDoc: "none",
+			doc: "error types (see Error types) that fail the step at once, without retrying; " + joinNames(NonRetryableErrorTypes()) + " always do"},
 	},
 }
 
@@ -96,10 +109,10 @@ var defaultsObj = &object{
 	doc: "Values for every step that does not set its own.",
 	typ: reflect.TypeOf(StepDefaults{}),
 	fields: []field{
-		{name: "timeout", doc: "start-to-close timeout of one attempt"},
-		{name: "heartbeat", doc: "heartbeat timeout; must be shorter than the timeout"},
-		{name: "retry", doc: "retry policy"},
-		{name: "task_queue", doc: "Temporal task queue the step's activity is scheduled on"},
+		{name: "timeout", def: Duration(DefaultStepTimeout), doc: "start-to-close timeout of one attempt"},
+		{name: "heartbeat", defDoc: "none", doc: "heartbeat timeout; must be shorter than the timeout"},
+		{name: "retry", defDoc: fmt.Sprintf("max_attempts %d, Temporal's intervals", DefaultMaxAttempts), doc: "retry policy"},
+		{name: "task_queue", defDoc: "the pipeline workflow's task queue", doc: "Temporal task queue the step's activity is scheduled on"},
 	},
 }
 
@@ -109,8 +122,8 @@ var serverObj = &object{
 	typ: reflect.TypeOf(Server{}),
 	fields: []field{
 		{name: "url", required: true, doc: "base URL, http or https; may use `${{ params.* }}` (only params), so one file serves any address given at launch"},
-		{name: "api_key_env", pattern: envVarRe, doc: "environment variable on the worker holding the API key; the key never enters workflow history"},
-		{name: "api", enum: serverAPIs, doc: "weight-transfer API generation; empty means probe the server"},
+		{name: "api_key_env", pattern: envVarRe, defDoc: "none: no API key is sent", doc: "environment variable on the worker holding the API key; the key never enters workflow history"},
+		{name: "api", enum: serverAPIs, defDoc: "probe the server", doc: "weight-transfer API generation"},
 	},
 }
 
@@ -120,11 +133,11 @@ var weightTransferObj = &object{
 	typ: reflect.TypeOf(WeightTransfer{}),
 	fields: []field{
 		{name: "backend", required: true, enum: transferKind, doc: "nccl broadcasts from the trainer's GPU; disk hands the servers a checkpoint path"},
-		{name: "packed", doc: "pack tensors into large buffers before broadcasting"},
-		{name: "buffer_bytes", kind: kindSize, doc: "size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
-		{name: "num_buffers", min: minimum(1), doc: "packing buffers in flight"},
-		{name: "gpu_task_queue", doc: "nccl: task queue the GPU workers poll for gpu_acquire; default rlflow-gpu"},
-		{name: "gpu_start_timeout", doc: "nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; default 30s"},
+		{name: "packed", def: false, doc: "pack tensors into large buffers before broadcasting"},
+		{name: "buffer_bytes", kind: kindSize, def: int64(DefaultPackedBufferBytes), doc: "packed: size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
+		{name: "num_buffers", min: bound(1), max: bound(maxInt32), def: int64(DefaultPackedNumBuffers), doc: "packed: packing buffers in flight"},
+		{name: "gpu_task_queue", def: DefaultGPUTaskQueue, doc: "nccl: task queue the GPU workers poll for gpu_acquire"},
+		{name: "gpu_start_timeout", def: Duration(DefaultGPUStartTimeout), doc: fmt.Sprintf("nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; at least %s", MinGPUStartTimeout)},
 	},
 }
 
@@ -133,10 +146,10 @@ var loopObj = &object{
 	doc: "How many times the DAG runs. Set iterations, or until with max_iterations; neither means one iteration.",
 	typ: reflect.TypeOf(Loop{}),
 	fields: []field{
-		{name: "iterations", min: minimum(1), doc: "fixed number of iterations"},
+		{name: "iterations", min: bound(1), max: bound(maxInt32), def: int64(1), defDoc: "without until", doc: "fixed number of iterations"},
 		{name: "until", kind: kindCondition, doc: "condition checked after each iteration; true stops the loop. May reference any step"},
-		{name: "max_iterations", min: minimum(1), doc: "bound on the iterations of an until loop (required with until)"},
-		{name: "continue_as_new_every", min: minimum(1), doc: fmt.Sprintf("iterations per workflow run before it continues as new (default %d)", DefaultContinueAsNewEvery)},
+		{name: "max_iterations", min: bound(1), max: bound(maxInt32), doc: "bound on the iterations of an until loop (required with until)"},
+		{name: "continue_as_new_every", min: bound(1), max: bound(maxInt32), def: int64(DefaultContinueAsNewEvery), doc: "iterations per workflow run before it continues as new"},
 	},
 }
 
@@ -147,7 +160,7 @@ var paramObj = &object{
 	fields: []field{
 		{name: "type", required: true, enum: paramTypes, doc: "value type; duration values are Go duration strings"},
 		{name: "default", kind: kindAny, doc: "value used when the launch does not set one; must match type"},
-		{name: "required", doc: "the launch must set a value; not allowed with a default"},
+		{name: "required", def: false, doc: "the launch must set a value; not allowed with a default"},
 		{name: "description", doc: "shown in the CLI and the Temporal UI"},
 	},
 }
@@ -159,15 +172,15 @@ var stepObj = &object{
 	fields: []field{
 		{name: "id", required: true, pattern: stepIDRe, maxLen: 100, doc: "unique step id: a lowercase letter, then lowercase letters, digits, _ or -"},
 		{name: "uses", required: true, doc: "step type (see Step types)"},
-		{name: "needs", doc: "ids of steps that must finish first"},
+		{name: "needs", defDoc: "none", doc: "ids of steps that must finish first"},
 		{name: "with", kind: kindWith, doc: "arguments of the step type; strings may hold `${{ }}` expressions"},
 		{name: "when", kind: kindCondition, doc: "condition; false skips the step. May reference upstream steps"},
-		{name: "always", doc: "run once the needs have finished even if one failed or was skipped, or the run is cancelled"},
+		{name: "always", def: false, doc: "run once the needs have finished even if one failed or was skipped, or the run is cancelled"},
 		{name: "outputs", pattern: identRe, doc: "output keys the step produces, for step types with declared outputs"},
-		{name: "retry", doc: "retry policy (overrides defaults.retry)"},
-		{name: "timeout", doc: "start-to-close timeout of one attempt (overrides defaults.timeout)"},
-		{name: "heartbeat", doc: "heartbeat timeout (overrides defaults.heartbeat)"},
-		{name: "task_queue", doc: "task queue (overrides defaults.task_queue)"},
+		{name: "retry", defDoc: "defaults.retry", doc: "retry policy"},
+		{name: "timeout", defDoc: "defaults.timeout", doc: "start-to-close timeout of one attempt"},
+		{name: "heartbeat", defDoc: "defaults.heartbeat", doc: "heartbeat timeout"},
+		{name: "task_queue", defDoc: "defaults.task_queue", doc: "task queue"},
 	},
 }
 
@@ -179,12 +192,12 @@ var pipelineObj = &object{
 		{name: "version", required: true, doc: fmt.Sprintf("schema version; must be %d", SchemaVersion)},
 		{name: "name", required: true, pattern: nameRe, maxLen: 100, doc: "pipeline name: lowercase letters, digits, _, . or -, starting with a letter or digit"},
 		{name: "description", doc: "free text"},
-		{name: "base_dir", doc: "absolute directory relative paths resolve against; default: the file's directory"},
+		{name: "base_dir", defDoc: "the file's directory", doc: "absolute directory relative paths resolve against"},
 		{name: "params", kind: kindParams, doc: "launch parameters: a mapping from name to param"},
 		{name: "servers", doc: "vLLM servers"},
 		{name: "weight_transfer", doc: "weight transfer settings"},
 		{name: "loop", doc: "iteration control"},
-		{name: "max_parallel", min: minimum(0), doc: "most steps of one iteration running at once; 0 means unbounded"},
+		{name: "max_parallel", min: bound(0), max: bound(maxInt32), def: int64(0), defDoc: "unbounded", doc: "most steps of one iteration running at once; 0 means unbounded"},
 		{name: "defaults", doc: "step defaults"},
 		{name: "steps", required: true, minItems: 1, doc: "the DAG's steps, in file order"},
 	},

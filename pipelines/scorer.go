@@ -3,15 +3,16 @@ package pipelines
 import (
 	"encoding/json"
 	"fmt"
-	"math"
-	"net/url"
-	"regexp"
+	"reflect"
 	"sort"
 	"strings"
+	"time"
 )
 
 // Scorer is evaluate's `scorer` object. ScorerProblems checks it, at load
-// time (rlflow validate) and again in the activity on the rendered values.
+// time (rlflow validate) and again in the activity on the rendered values;
+// ParseScorer returns it with the type's defaults filled in. The keys of
+// each type, their ranges and defaults are in scorerTypes.
 type Scorer struct {
 	Type string `json:"type"`
 	// IgnoreCase: exact_match, contains, regex.
@@ -21,26 +22,26 @@ type Scorer struct {
 	// scores 1.
 	Pattern string `json:"pattern,omitempty"`
 	// Tolerance (numeric): the last number in the completion scores 1 when
-	// |x - answer| <= tolerance (default 0: equal values).
+	// |x - answer| <= tolerance.
 	Tolerance float64 `json:"tolerance,omitempty"`
 	// URL: http (required) is POSTed {prompt, completion, answer, id} and
 	// answers {"score": number}; judge (optional) is an OpenAI-compatible
 	// server to ask instead of the pipeline's servers.
 	URL       string `json:"url,omitempty"`
 	APIKeyEnv string `json:"api_key_env,omitempty"`
-	// Concurrency bounds the requests in flight to the scorer (http, judge;
-	// default 16).
+	// Concurrency bounds the requests in flight to the scorer (http, judge).
 	Concurrency int `json:"concurrency,omitempty"`
-	// Timeout bounds one scoring request (http, judge; default 30s).
+	// Timeout bounds one scoring request (http, judge).
 	Timeout Duration `json:"timeout,omitempty"`
 	// Rubric (judge) is the message sent to the judge; {prompt},
-	// {completion} and {answer} are replaced. Default: DefaultJudgeRubric.
+	// {completion} and {answer} are replaced.
 	Rubric string `json:"rubric,omitempty"`
 	// Scale (judge): the judge's first number in [0, scale] is divided by
-	// scale (default 10; 1 for a rubric that asks for 0..1).
-	Scale     float64 `json:"scale,omitempty"`
-	Model     string  `json:"model,omitempty"`      // judge: default the server's first model
-	MaxTokens int     `json:"max_tokens,omitempty"` // judge: default 16
+	// scale (1 for a rubric that asks for 0..1).
+	Scale float64 `json:"scale,omitempty"`
+	// Model (judge): "" asks the server for its first model.
+	Model     string `json:"model,omitempty"`
+	MaxTokens int    `json:"max_tokens,omitempty"` // judge: of the reply
 }
 
 // DefaultJudgeRubric asks for a 0-10 rating (Scale 10).
@@ -58,28 +59,84 @@ const (
 	ScorerJudge      = "judge"
 )
 
-// scorerKeys lists the keys each scorer type takes.
-var scorerKeys = map[string][]string{
-	ScorerExactMatch: {"type", "ignore_case"},
-	ScorerContains:   {"type", "ignore_case"},
-	ScorerRegex:      {"type", "pattern", "ignore_case"},
-	ScorerNumeric:    {"type", "tolerance"},
-	ScorerHTTP:       {"type", "url", "api_key_env", "concurrency", "timeout"},
-	ScorerJudge:      {"type", "url", "api_key_env", "concurrency", "timeout", "rubric", "scale", "model", "max_tokens"},
+// ScorerType describes one scorer type: what it does and the keys its
+// object takes besides type. ScorerProblems checks them, ParseScorer fills
+// their defaults in, and the reference and JSON Schema list them.
+type ScorerType struct {
+	Name string
+	Doc  string
+	Args []ArgSpec
+}
+
+var (
+	ignoreCaseArg = ArgSpec{Name: "ignore_case", Kind: KindBool, Default: false, Doc: "compare case-insensitively"}
+	apiKeyEnvArg  = ArgSpec{Name: "api_key_env", Kind: KindString, Format: FormatEnvVar, DefaultDoc: "none: no API key is sent",
+		Doc: "environment variable on the worker holding the bearer token; the key never enters workflow history"}
+	scorerConcurrencyArg = ArgSpec{Name: "concurrency", Kind: KindInt, Min: bound(1), Max: bound(MaxScorerConcurrency), Default: int64(16),
+		Doc: "scoring requests in flight"}
+	scorerTimeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(30 * time.Second),
+		Doc: "deadline of one scoring request"}
+)
+
+// scorerTypes is every scorer type, in reference order.
+var scorerTypes = []ScorerType{
+	{Name: ScorerExactMatch, Doc: "Scores 1 when the sample's text equals the answer (both trimmed), else 0.",
+		Args: []ArgSpec{ignoreCaseArg}},
+	{Name: ScorerContains, Doc: "Scores 1 when the sample's text contains the answer (both trimmed), else 0.",
+		Args: []ArgSpec{ignoreCaseArg}},
+	{Name: ScorerRegex, Doc: "With a capture group, scores 1 when the first group of the first match equals the answer (both trimmed); without one, 1 when the pattern matches at all.",
+		Args: []ArgSpec{
+			{Name: "pattern", Kind: KindString, Required: true, Format: FormatRegexp, Doc: "the regular expression"},
+			ignoreCaseArg,
+		}},
+	{Name: ScorerNumeric, Doc: "Scores 1 when the last number in the sample's text is within tolerance of the answer (a number), else 0.",
+		Args: []ArgSpec{
+			{Name: "tolerance", Kind: KindFloat, Min: bound(0), Default: 0.0, Doc: "largest |x - answer| that scores 1; 0 wants equal values"},
+		}},
+	{Name: ScorerHTTP, Doc: "POSTs {prompt, completion, answer, id} to url for each sample and reads the answer {\"score\": number}.",
+		Args: []ArgSpec{
+			{Name: "url", Kind: KindString, Required: true, Format: FormatURL, Doc: "the scoring service"},
+			apiKeyEnvArg, scorerConcurrencyArg, scorerTimeoutArg,
+		}},
+	{Name: ScorerJudge, Doc: "Asks a chat model to rate each sample with the rubric: the first number of the reply in [0, scale], divided by scale, is the score; a reply without one scores 0 and counts in unparsed.",
+		Args: []ArgSpec{
+			{Name: "rubric", Kind: KindString, MinItems: 1, Default: DefaultJudgeRubric, Doc: "the message sent to the judge; {prompt}, {completion} and {answer} are replaced"},
+			{Name: "scale", Kind: KindFloat, Min: bound(0), MinExclusive: true, Default: 10.0, Doc: "the rubric's top rating (1 for a rubric that asks for 0..1)"},
+			{Name: "model", Kind: KindString, MinItems: 1, DefaultDoc: "the server's first model", Doc: "the judge's model"},
+			{Name: "max_tokens", Kind: KindInt, Min: bound(1), Default: int64(16), Doc: "tokens of the judge's reply"},
+			{Name: "url", Kind: KindString, Format: FormatURL, DefaultDoc: "the pipeline's servers", Doc: "an OpenAI-compatible server to ask instead of the pipeline's servers"},
+			apiKeyEnvArg, scorerConcurrencyArg, scorerTimeoutArg,
+		}},
+}
+
+// LookupScorerType returns the scorer type with that name.
+func LookupScorerType(name string) (*ScorerType, bool) {
+	for i := range scorerTypes {
+		if scorerTypes[i].Name == name {
+			return &scorerTypes[i], true
+		}
+	}
+	return nil, false
+}
+
+// keys lists the keys a scorer object of this type takes, type first.
+func (t *ScorerType) keys() []string {
+	out := []string{"type"}
+	for _, a := range t.Args {
+		out = append(out, a.Name)
+	}
+	return out
 }
 
 // ScorerTypes returns the scorer type names, sorted.
 func ScorerTypes() []string {
-	out := make([]string, 0, len(scorerKeys))
-	for t := range scorerKeys {
-		out = append(out, t)
+	out := make([]string, 0, len(scorerTypes))
+	for _, t := range scorerTypes {
+		out = append(out, t.Name)
 	}
 	sort.Strings(out)
 	return out
 }
-
-// MaxScorerConcurrency bounds a scorer's concurrency.
-const MaxScorerConcurrency = 1024
 
 // ScorerProblems checks a scorer object, returning every problem. At load
 // time (rendered false) a value holding a ${{ }} expression is only known
@@ -100,113 +157,49 @@ func ScorerProblems(m map[string]any, rendered bool) []string {
 	if !ok {
 		return []string{fmt.Sprintf("type must be a string, got %s", describeValue(typ))}
 	}
-	keys, known := scorerKeys[t]
+	st, known := LookupScorerType(t)
 	if !known {
 		return []string{fmt.Sprintf("unknown scorer type %q%s (known: %s)", clip(t), didYouMean(t, ScorerTypes()), joinNames(ScorerTypes()))}
 	}
+	keys := st.keys()
 	var out []string
-	names := make([]string, 0, len(m))
-	for k := range m {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	for _, k := range names {
+	for _, k := range sortedKeys(m) {
 		v := m[k]
 		if !contains(keys, k) {
 			out = append(out, fmt.Sprintf("%s scorers take no %q%s (they take %s)", t, clip(k), didYouMean(k, keys), joinNames(keys)))
 			continue
 		}
-		if isExpr(v) {
+		if k == "type" || isExpr(v) {
 			continue
 		}
-		if msg := scorerValueProblem(k, v); msg != "" {
-			out = append(out, k+": "+msg)
+		spec, _ := findArg(st.Args, k)
+		if err := spec.Check(v); err != nil {
+			out = append(out, k+": "+err.Error())
 		}
 	}
-	for _, req := range map[string][]string{ScorerRegex: {"pattern"}, ScorerHTTP: {"url"}}[t] {
-		if _, ok := m[req]; !ok {
-			out = append(out, fmt.Sprintf("%s scorers need %s", t, req))
+	for _, a := range st.Args {
+		if _, ok := m[a.Name]; a.Required && !ok {
+			out = append(out, fmt.Sprintf("%s scorers need %s", t, a.Name))
 		}
 	}
 	return out
 }
 
-func scorerValueProblem(k string, v any) string {
-	str, isStr := v.(string)
-	num, isNum := number(v)
-	switch k {
-	case "type":
-		return ""
-	case "ignore_case":
-		if _, ok := v.(bool); !ok {
-			return "must be true or false, got " + describeValue(v)
-		}
-	case "pattern":
-		if !isStr || str == "" {
-			return "must be a non-empty string (a Go regular expression)"
-		}
-		if _, err := regexp.Compile(str); err != nil {
-			return fmt.Sprintf("bad regular expression: %v", err)
-		}
-	case "tolerance":
-		if !isNum || num < 0 {
-			return "must be a number >= 0, got " + describeValue(v)
-		}
-	case "scale":
-		if !isNum || !(num > 0) {
-			return "must be a number > 0, got " + describeValue(v)
-		}
-	case "url":
-		if !isStr {
-			return "must be a string, got " + describeValue(v)
-		}
-		u, err := url.Parse(str)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			return fmt.Sprintf("%q must be an http:// or https:// URL with a host", clip(str))
-		}
-	case "api_key_env":
-		if !isStr || !identRe.MatchString(str) {
-			return "must name an environment variable ([A-Za-z_][A-Za-z0-9_]*), got " + describeValue(v)
-		}
-	case "concurrency":
-		if !isNum || num != math.Trunc(num) || num < 1 || num > MaxScorerConcurrency {
-			return fmt.Sprintf("must be an integer in 1..%d, got %s", MaxScorerConcurrency, describeValue(v))
-		}
-	case "max_tokens":
-		if !isNum || num != math.Trunc(num) || num < 1 {
-			return "must be a positive integer, got " + describeValue(v)
-		}
-	case "timeout":
-		if !isStr {
-			return "must be a duration string like 30s, got " + describeValue(v)
-		}
-		if _, err := ParseDuration(str); err != nil {
-			return err.Error()
-		}
-	case "rubric", "model":
-		if !isStr || str == "" {
-			return "must be a non-empty string"
+var scorerStructType = reflect.TypeOf(Scorer{})
+
+// scorerSkip is the Scorer fields that are not keys of scorer type t.
+func scorerSkip(t *ScorerType) map[string]bool {
+	skip := map[string]bool{"type": true}
+	for _, f := range argFields(scorerStructType) {
+		if _, ok := findArg(t.Args, f.name); !ok {
+			skip[f.name] = true
 		}
 	}
-	return ""
+	return skip
 }
 
-func number(v any) (float64, bool) {
-	switch x := v.(type) {
-	case int64:
-		return float64(x), true
-	case int:
-		return float64(x), true
-	case float64:
-		return x, !math.IsNaN(x) && !math.IsInf(x, 0)
-	case json.Number:
-		f, err := x.Float64()
-		return f, err == nil
-	}
-	return 0, false
-}
-
-// ParseScorer decodes and checks a rendered scorer object.
+// ParseScorer decodes and checks a rendered scorer object, and returns it
+// with every key its type leaves out set to the key's default.
 func ParseScorer(raw json.RawMessage) (Scorer, error) {
 	var m map[string]any
 	if err := json.Unmarshal(raw, &m); err != nil || m == nil {
@@ -218,6 +211,10 @@ func ParseScorer(raw json.RawMessage) (Scorer, error) {
 	var s Scorer
 	if err := json.Unmarshal(raw, &s); err != nil {
 		return Scorer{}, fmt.Errorf("scorer: %v", err)
+	}
+	st, _ := LookupScorerType(s.Type)
+	if probs := resolveFields("scorer "+st.Name, st.Args, reflect.ValueOf(&s).Elem(), scorerSkip(st)); len(probs) > 0 {
+		return Scorer{}, fmt.Errorf("scorer: %s", strings.Join(probs, "; "))
 	}
 	return s, nil
 }

@@ -16,15 +16,6 @@ const (
 	KindObject     ArgKind = "object" // a mapping, checked by the step type itself
 )
 
-// ArgSpec describes one key of a step's `with`.
-type ArgSpec struct {
-	Name     string
-	Kind     ArgKind
-	Required bool
-	Enum     []string // allowed values for a string argument, if non-empty
-	Doc      string
-}
-
 // StepType describes a registered `uses` value: its arguments and outputs.
 // The activity implementing it is registered under the same name.
 type StepType struct {
@@ -110,10 +101,10 @@ func init() {
 		Name: StepExec,
 		Doc:  "Runs a command (argv list). Output keys are read from key=value lines the command writes to the file named by $RLFLOW_OUTPUTS.",
 		Args: []ArgSpec{
-			{Name: "command", Kind: KindStringList, Required: true, Doc: "argv; the first element is looked up in PATH"},
-			{Name: "env", Kind: KindStringMap, Doc: "extra environment variables (the worker's environment is inherited)"},
-			{Name: "dir", Kind: KindString, Doc: "working directory, relative to the pipeline's base_dir"},
-			{Name: "kill_grace", Kind: KindDuration, Doc: "time between SIGTERM and SIGKILL on cancel (default 10s)"},
+			{Name: "command", Kind: KindStringList, Required: true, MinItems: 1, Doc: "argv; the first element is the program, looked up in PATH"},
+			{Name: "env", Kind: KindStringMap, DefaultDoc: "none: the worker's environment is inherited", Doc: "extra environment variables"},
+			{Name: "dir", Kind: KindString, DefaultDoc: "base_dir", Doc: "working directory, relative to the pipeline's base_dir"},
+			{Name: "kill_grace", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultKillGrace), Doc: "time between SIGTERM and SIGKILL on cancel"},
 		},
 		Outputs:         []string{"exit_code", "log"},
 		DeclaredOutputs: true,
@@ -122,8 +113,8 @@ func init() {
 		Name: StepNoop,
 		Doc:  "Returns the mapping in with.outputs as its outputs, after an optional sleep. For wiring values between steps, tests and overhead benchmarks.",
 		Args: []ArgSpec{
-			{Name: "outputs", Kind: KindObject, Doc: "output key -> value"},
-			{Name: "sleep", Kind: KindDuration, Doc: "how long to wait before returning (heartbeating)"},
+			{Name: "outputs", Kind: KindObject, DefaultDoc: "none", Doc: "output key -> value"},
+			{Name: "sleep", Kind: KindDuration, Min: bound(0), Default: Duration(0), Doc: "how long to wait before returning (heartbeating)"},
 		},
 		DeclaredOutputs: true,
 	})

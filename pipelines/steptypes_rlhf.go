@@ -24,21 +24,25 @@ var GPUStepTypes = []string{StepInitTransfer, StepBroadcast}
 // samplingArgs are shared by generate and evaluate.
 var samplingArgs = []ArgSpec{
 	{Name: "prompts", Kind: KindString, Required: true, Doc: "JSONL file, one object per line: {\"id\", \"prompt\"} or {\"id\", \"messages\": [{role, content}]} (relative to base_dir)"},
-	{Name: "model", Kind: KindString, Doc: "served model name (default: the first model the server lists)"},
-	{Name: "n", Kind: KindInt, Doc: "samples per prompt (default 1)"},
-	{Name: "max_tokens", Kind: KindInt, Doc: "tokens per sample (default 256)"},
-	{Name: "temperature", Kind: KindFloat, Doc: "sampling temperature (default 1.0)"},
-	{Name: "top_p", Kind: KindFloat, Doc: "nucleus sampling (default: the server's)"},
-	{Name: "seed", Kind: KindInt, Doc: "sampling seed; sample k of prompt i uses seed+i*n+k"},
-	{Name: "stop", Kind: KindStringList, Doc: "stop strings"},
-	{Name: "logprobs", Kind: KindInt, Doc: "top log-probabilities per token to record (0 = none)"},
-	{Name: "concurrency", Kind: KindInt, Doc: "requests in flight at once, across all servers (default 64)"},
-	{Name: "request_timeout", Kind: KindDuration, Doc: "deadline of one request (default 10m)"},
-	{Name: "output", Kind: KindString, Doc: "output JSONL path (default: under the worker's data dir, per run/iteration/step)"},
+	{Name: "model", Kind: KindString, DefaultDoc: "the first model the server lists", Doc: "served model name"},
+	{Name: "n", Kind: KindInt, Min: bound(1), Max: bound(MaxSamples), Default: int64(1), Doc: "samples per prompt"},
+	{Name: "max_tokens", Kind: KindInt, Min: bound(1), Default: int64(256), Doc: "tokens per sample"},
+	{Name: "temperature", Kind: KindFloat, Min: bound(0), Default: 1.0, Doc: "sampling temperature; 0 is greedy"},
+	{Name: "top_p", Kind: KindFloat, Min: bound(0), MinExclusive: true, Max: bound(1), DefaultDoc: "the server's", Doc: "nucleus sampling"},
+	{Name: "seed", Kind: KindInt, DefaultDoc: "none: unseeded sampling", Doc: "sampling seed; sample k of prompt i uses seed+i*n+k"},
+	{Name: "stop", Kind: KindStringList, DefaultDoc: "none", Doc: "stop strings"},
+	{Name: "logprobs", Kind: KindInt, Min: bound(0), Default: int64(0), Doc: "top log-probabilities per token to record; 0 records none"},
+	{Name: "concurrency", Kind: KindInt, Min: bound(1), Max: bound(MaxConcurrency), Default: int64(64), Doc: "requests in flight at once, across all servers"},
+	{Name: "request_timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultRequestTimeout), Doc: "deadline of one request"},
+	{Name: "output", Kind: KindString, DefaultDoc: "under the worker's data dir: `<data dir>/<run>/iter-<n>/<step>/rollouts.jsonl` (`scores.jsonl` for evaluate)", Doc: "output JSONL path, relative to base_dir"},
 }
 
+// pauseTimeoutDoc: pause waits as long as a request may take with mode
+// wait, so its default depends on the mode.
+var pauseTimeoutDoc = shortDuration(Duration(DefaultControlTimeout)) + ", or " + shortDuration(Duration(DefaultRequestTimeout)) + " with mode wait"
+
 // timeoutArg bounds each server's call of a control step.
-var timeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Doc: "deadline of each server's call (default 30s)"}
+var timeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultControlTimeout), Doc: "deadline of each server's call"}
 
 // validateScorer is evaluate's Validate hook: the scorer object's type,
 // keys and values (a bad regex, a missing url or pattern).
@@ -65,7 +69,7 @@ func init() {
 		Name: StepEvaluate,
 		Doc:  "Generates from an eval set (prompts JSONL whose lines carry an \"answer\") and scores every sample with the scorer; writes a per-sample JSONL: generate's lines plus answer, score (and unparsed for a judge reply without a score).",
 		Args: append(append([]ArgSpec(nil), samplingArgs...),
-			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "{type: exact_match|contains|regex|numeric|http|judge, ...}: exact_match and contains (ignore_case), regex (pattern; its first capture group is compared with the answer, or any match scores 1), numeric (the last number in the text vs the answer, tolerance), http (url, api_key_env, concurrency, timeout: POSTs {prompt, completion, answer, id}, wants {\"score\": number}), judge (rubric with {prompt} {completion} {answer}, scale, model, max_tokens, url, api_key_env, concurrency, timeout: a reply without a number in [0, scale] scores 0 and counts in unparsed)"},
+			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "how each sample is scored: {type: exact_match|contains|regex|numeric|http|judge, ...} with the keys of its type (see Scorers below)"},
 		),
 		Outputs:      []string{"score", "samples", "path", "min", "max", "weight_version", "unparsed", "resumed"},
 		Validate:     validateScorer,
@@ -75,8 +79,8 @@ func init() {
 		Name: StepPause,
 		Doc:  "Pauses generation on every server, in parallel. If some servers fail, the ones paused are resumed and the error names each failure.",
 		Args: []ArgSpec{
-			{Name: "mode", Kind: KindString, Enum: []string{"abort", "wait", "keep"}, Doc: "abort in-flight requests (vLLM's default), wait for them, or keep them queued"},
-			{Name: "timeout", Kind: KindDuration, Doc: "deadline of each server's pause (default 30s; 10m for mode wait)"},
+			{Name: "mode", Kind: KindString, Enum: []string{"abort", "wait", "keep"}, Default: "abort", Doc: "abort in-flight requests (as vLLM does when not told), wait for them, or keep them queued"},
+			{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: pauseTimeoutDoc, Doc: "deadline of each server's pause"},
 		},
 		Outputs:      []string{"servers"},
 		NeedsServers: true,
@@ -106,9 +110,9 @@ func init() {
 		Name: StepInitTransfer,
 		Doc:  "Initialises the weight-transfer group with every server (nccl: TCPStore rendezvous, NCCL init and warm-up with rank offsets; disk: init_info {}). Runs on a GPU worker for nccl. broadcast initialises on its own when needed, so this step is optional.",
 		Args: []ArgSpec{
-			{Name: "master_address", Kind: KindString, Doc: "address the trainer's TCPStore binds and the servers connect to (nccl; default: the GPU worker's --advertise address)"},
-			{Name: "master_port", Kind: KindInt, Doc: "TCPStore port (nccl; default: a free port, fresh on every init)"},
-			{Name: "timeout", Kind: KindDuration, Doc: "deadline of the init (default 5m)"},
+			{Name: "master_address", Kind: KindString, DefaultDoc: "the GPU worker's --advertise address", Doc: "address the trainer's TCPStore binds and the servers connect to (nccl)"},
+			{Name: "master_port", Kind: KindInt, Min: bound(0), Max: bound(65535), Default: int64(0), DefaultDoc: "a free port, fresh on every init", Doc: "TCPStore port (nccl)"},
+			{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultInitTimeout), Doc: "deadline of the init: vLLM's 300s TCPStore wait plus NCCL setup"},
 		},
 		Outputs:             []string{"world_size", "backend", "group"},
 		NeedsServers:        true,
@@ -119,10 +123,10 @@ func init() {
 		Doc:  "Sends a checkpoint (safetensors file or directory) to every server with the pipeline's weight_transfer backend: nccl broadcasts from a GPU worker (initialising the group on first use or after its loss); disk hands vLLM the absolute directory. Sets the weight version where the API has one.",
 		Args: []ArgSpec{
 			{Name: "checkpoint", Kind: KindString, Required: true, Doc: "safetensors file or directory (single file or sharded with model.safetensors.index.json), relative to base_dir"},
-			{Name: "version", Kind: KindString, Doc: "weight version label (default: \"<run id>/iter-<n>\")"},
-			{Name: "dtype", Kind: KindString, Enum: []string{"keep", "bfloat16", "float16"}, Doc: "nccl: convert floating tensors to the serving dtype on the way (default keep)"},
-			{Name: "update_timeout", Kind: KindDuration, Doc: "deadline of update_weights (default scales with the checkpoint size)"},
-			{Name: "verify", Kind: KindBool, Doc: "check the servers' weight version afterwards (C/D)"},
+			{Name: "version", Kind: KindString, DefaultDoc: "`<run id>/iter-<n>`", Doc: "weight version label"},
+			{Name: "dtype", Kind: KindString, Enum: []string{"keep", "bfloat16", "float16"}, Default: "keep", Doc: "nccl: convert floating tensors to the serving dtype on the way; disk takes only keep"},
+			{Name: "update_timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: "scales with the checkpoint: 60s plus 1s per started 200 MiB", Doc: "deadline of update_weights"},
+			{Name: "verify", Kind: KindBool, Default: false, Doc: "check the servers' weight version afterwards (APIs C and D)"},
 		},
 		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "initialized"},
 		NeedsServers:        true,

@@ -1,6 +1,12 @@
 // Package pipelines defines the rlflow pipeline schema, loads and validates
 // pipeline YAML files, and evaluates the ${{ }} expressions in them.
 //
+// The step registry (steptypes*.go: each argument's kind, range, enum and
+// default; scorer.go: the scorer keys), the schema tables (schema.go), the
+// defaults (defaults.go) and the error types (errtypes.go) are each the one
+// source of what they describe: Load, JSONSchema, Reference and, through
+// ResolveArgs and ParseScorer, the activities all read them.
+//
 // Invariants: a *Pipeline returned by Load has passed every static check
 // (schema, per-type arguments, DAG, expression references), so the workflow
 // interpreter can trust step ids, needs and expression syntax. A Pipeline is
@@ -71,17 +77,17 @@ type Server struct {
 
 // WeightTransfer configures how new weights reach the servers.
 type WeightTransfer struct {
-	Backend     string `json:"backend" yaml:"backend"` // "nccl" or "disk"
+	Backend     string `json:"backend" yaml:"backend"` // BackendNCCL or BackendDisk
 	Packed      bool   `json:"packed,omitempty" yaml:"packed,omitempty"`
 	BufferBytes int64  `json:"buffer_bytes,omitempty" yaml:"-"`
 	NumBuffers  int    `json:"num_buffers,omitempty" yaml:"num_buffers,omitempty"`
 	// GPUTaskQueue is the shared task queue the GPU workers of this pipeline
-	// poll for gpu_acquire (nccl only; "" = the workflows package default,
-	// "rlflow-gpu"). Separate queues keep two trainers' GPU pools apart.
+	// poll for gpu_acquire (nccl only; "" = DefaultGPUTaskQueue). Separate
+	// queues keep two trainers' GPU pools apart.
 	GPUTaskQueue string `json:"gpu_task_queue,omitempty" yaml:"gpu_task_queue,omitempty"`
 	// GPUStartTimeout is how long a GPU step may wait on its worker's
 	// host-specific queue before that worker is taken for dead and another
-	// is acquired (nccl only; 0 = the workflows package default).
+	// is acquired (nccl only; 0 = DefaultGPUStartTimeout).
 	GPUStartTimeout Duration `json:"gpu_start_timeout,omitempty" yaml:"gpu_start_timeout,omitempty"`
 }
 
@@ -116,8 +122,8 @@ type RetryPolicy struct {
 	InitialInterval Duration `json:"initial_interval,omitempty" yaml:"initial_interval,omitempty"`
 	Backoff         float64  `json:"backoff,omitempty" yaml:"backoff,omitempty"`
 	MaxInterval     Duration `json:"max_interval,omitempty" yaml:"max_interval,omitempty"`
-	// NonRetryable lists error types (activities.ErrType* constants) that fail
-	// the step at once.
+	// NonRetryable lists error types that fail the step at once: step
+	// error types of ErrorTypes (Load refuses others).
 	NonRetryable []string `json:"non_retryable,omitempty" yaml:"non_retryable,omitempty"`
 }
 

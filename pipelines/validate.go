@@ -114,7 +114,7 @@ func (l *loader) checkWeightTransfer() {
 	if wt == nil {
 		return
 	}
-	if wt.Backend != "nccl" {
+	if wt.Backend != BackendNCCL {
 		for _, f := range []string{"gpu_task_queue", "gpu_start_timeout"} {
 			if _, ok := l.pos["weight_transfer."+f]; ok {
 				l.errPath("weight_transfer."+f, "only applies to backend nccl, not %q", wt.Backend)
@@ -312,16 +312,6 @@ func (l *loader) checkOutputs(s *Step, t *StepType, path string) {
 	}
 }
 
-func (t *StepType) requiredArgs() []string {
-	var out []string
-	for _, a := range t.Args {
-		if a.Required {
-			out = append(out, a.Name)
-		}
-	}
-	return out
-}
-
 func (t *StepType) argNames() []string {
 	out := make([]string, len(t.Args))
 	for i, a := range t.Args {
@@ -394,7 +384,10 @@ func runValidate(t *StepType, with map[string]any) (problems map[string]string) 
 	return t.Validate(with)
 }
 
-// checkArg checks one argument's kind and returns its value normalised.
+// checkArg checks one argument against its spec and returns its value
+// normalised (scalars of string kinds become their text, ints of float
+// kinds floats). A value holding a ${{ }} expression is checked when it is
+// rendered; literal values get the spec's full Check: range, enum, items.
 func (l *loader) checkArg(a ArgSpec, v any, path string) (any, bool) {
 	if l.bad[path] {
 		return nil, false // its YAML was already reported
@@ -410,15 +403,25 @@ func (l *loader) checkArg(a ArgSpec, v any, path string) (any, bool) {
 		l.errPath(path, "must be %s; text around ${{ }} makes it a string", kindWant(a.Kind))
 		return nil, false
 	}
+	v, ok := l.argKind(a, v, path)
+	if !ok {
+		return nil, false
+	}
+	if err := a.Check(v); err != nil {
+		l.errPath(path, "%v", err)
+		return nil, false
+	}
+	return v, true
+}
+
+// argKind checks one argument's kind, reporting a wrong one at the value
+// (or list entry) as written, and returns the value normalised.
+func (l *loader) argKind(a ArgSpec, v any, path string) (any, bool) {
 	switch a.Kind {
 	case KindString:
 		s, ok := l.argText(v, path)
 		if !ok {
 			l.errPath(path, "must be a string, got %s", l.describeAt(path, v))
-			return nil, false
-		}
-		if len(a.Enum) > 0 && !contains(a.Enum, s) {
-			l.errPath(path, "%q is not one of %s%s", clip(s), joinNames(a.Enum), didYouMean(s, a.Enum))
 			return nil, false
 		}
 		return s, true
@@ -438,12 +441,8 @@ func (l *loader) checkArg(a ArgSpec, v any, path string) (any, bool) {
 			return v, true
 		}
 	case KindDuration:
-		if s, ok := v.(string); ok {
-			if _, err := ParseDuration(s); err != nil {
-				l.errPath(path, "%v", err)
-				return nil, false
-			}
-			return v, true
+		if _, ok := v.(string); ok {
+			return v, true // Check parses it
 		}
 	case KindStringList:
 		list, ok := v.([]any)
