@@ -132,11 +132,11 @@ func BenchmarkThousandIterations(b *testing.B) {
 		b.StopTimer()
 		starts := make([]time.Time, iters+2)
 		for _, k := range append(rangeInts(1, 102), rangeInts(iters-100, iters+1)...) {
-			d, err := e.c.DescribeWorkflowExecution(context.Background(), fmt.Sprintf("%s/iter-%d", id, k), "")
+			d, err := e.c.DescribeWorkflow(context.Background(), fmt.Sprintf("%s/iter-%d", id, k), "")
 			if err != nil {
 				b.Fatal(err)
 			}
-			starts[k] = d.GetWorkflowExecutionInfo().GetStartTime().AsTime()
+			starts[k] = d.RawResponse.GetWorkflowExecutionInfo().GetStartTime().AsTime()
 		}
 		first := starts[101].Sub(starts[1]) / 100
 		last := starts[iters].Sub(starts[iters-100]) / 100

@@ -39,7 +39,7 @@ func (s *RunStatus) Done() bool { return s.Execution != "" && s.Execution != "Ru
 
 // GetStatus collects a run's status; runID may be empty (latest run).
 func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (*RunStatus, error) {
-	desc, err := c.DescribeWorkflowExecution(ctx, workflowID, runID)
+	d, err := c.DescribeWorkflow(ctx, workflowID, runID)
 	if err != nil {
 		var nf *serviceerror.NotFound
 		if errors.As(err, &nf) {
@@ -47,7 +47,7 @@ func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (
 		}
 		return nil, fmt.Errorf("describing %s: %w", workflowID, err)
 	}
-	info := desc.GetWorkflowExecutionInfo()
+	info := d.RawResponse.GetWorkflowExecutionInfo()
 	st := &RunStatus{
 		WorkflowID: workflowID,
 		RunID:      info.GetExecution().GetRunId(),
@@ -67,8 +67,8 @@ func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (
 		return st, nil // the child may not have started yet
 	}
 	pending := map[string]StepView{}
-	if cd, err := c.DescribeWorkflowExecution(qctx, st.Progress.Child, ""); err == nil {
-		for _, pa := range cd.GetPendingActivities() {
+	if cd, err := c.DescribeWorkflow(qctx, st.Progress.Child, ""); err == nil {
+		for _, pa := range cd.RawResponse.GetPendingActivities() {
 			v := StepView{
 				StepResult:  workflows.StepResult{Attempts: int(pa.GetAttempt())},
 				LastFailure: pa.GetLastFailure().GetMessage(),

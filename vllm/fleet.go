@@ -15,6 +15,7 @@ type Fleet []*Client
 
 // ServerError is one server's failure inside a FleetError.
 type ServerError struct {
+	Index  int // in the fleet; -1 when no server is meant
 	Server string
 	Err    error
 }
@@ -58,24 +59,38 @@ func (e *FleetError) Unwrap() []error {
 	return out
 }
 
-// each runs fn for every server in parallel; errs[i] is server i's error.
-func (f Fleet) each(fn func(i int, c *Client) error) []error {
+// Each runs fn for every server in parallel and waits for all of them. It
+// returns nil when every call succeeded, else a *FleetError naming each
+// failed server (in fleet order) with its error.
+func (f Fleet) Each(op string, fn func(i int, c *Client) error) error {
+	if err := f.check(op); err != nil {
+		return err
+	}
 	errs := make([]error, len(f))
 	var wg sync.WaitGroup
 	for i, c := range f {
 		wg.Go(func() { errs[i] = fn(i, c) })
 	}
 	wg.Wait()
-	return errs
+	fe := &FleetError{Op: op, Total: len(f)}
+	for i, err := range errs {
+		if err != nil {
+			fe.Failed = append(fe.Failed, ServerError{Index: i, Server: f[i].base, Err: err})
+		}
+	}
+	if len(fe.Failed) == 0 {
+		return nil
+	}
+	return fe
 }
 
 func (f Fleet) check(op string) error {
 	if len(f) == 0 {
-		return &FleetError{Op: op, Failed: []ServerError{{Server: "", Err: errors.New("vllm fleet: no servers")}}}
+		return &FleetError{Op: op, Failed: []ServerError{{Index: -1, Err: errors.New("vllm fleet: no servers")}}}
 	}
 	for i, c := range f {
 		if c == nil {
-			return &FleetError{Op: op, Total: len(f), Failed: []ServerError{{Err: fmt.Errorf("vllm fleet: server %d is nil", i)}}}
+			return &FleetError{Op: op, Total: len(f), Failed: []ServerError{{Index: i, Err: fmt.Errorf("vllm fleet: server %d is nil", i)}}}
 		}
 	}
 	return nil
@@ -88,62 +103,58 @@ func (f Fleet) check(op string) error {
 // too, since it may have paused; one that answered 4xx did not pause. The
 // rollback runs even when ctx is already done.
 func (f Fleet) PauseAll(ctx context.Context, mode string) error {
-	if err := f.check("pause"); err != nil {
+	err := f.Each("pause", func(_ int, c *Client) error { return c.Pause(ctx, mode) })
+	var fe *FleetError
+	if err == nil || !errors.As(err, &fe) || fe.Total == 0 {
 		return err
 	}
-	errs := f.each(func(_ int, c *Client) error { return c.Pause(ctx, mode) })
-	fe := &FleetError{Op: "pause", Total: len(f)}
-	var undo []int
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, ServerError{Server: f[i].base, Err: err})
-			var e *Error
-			if errors.As(err, &e) && e.Status >= 400 && e.Status < 500 {
-				continue
-			}
+	refused := map[int]bool{}
+	for _, sf := range fe.Failed {
+		var e *Error
+		if errors.As(sf.Err, &e) && e.Status >= 400 && e.Status < 500 {
+			refused[sf.Index] = true
 		}
-		undo = append(undo, i)
 	}
-	if len(fe.Failed) == 0 {
-		return nil
+	var undo Fleet
+	for i, c := range f {
+		if !refused[i] {
+			undo = append(undo, c)
+		}
+	}
+	if len(undo) == 0 {
+		return fe
 	}
 	rctx := context.WithoutCancel(ctx)
-	rerrs := make([]error, len(undo))
-	var wg sync.WaitGroup
-	for k, i := range undo {
-		wg.Go(func() { rerrs[k] = f[i].Resume(rctx) })
+	rerr := undo.Each("resume", func(_ int, c *Client) error { return c.Resume(rctx) })
+	failed := map[*Client]error{}
+	var rfe *FleetError
+	if errors.As(rerr, &rfe) {
+		for _, sf := range rfe.Failed {
+			failed[undo[sf.Index]] = sf.Err
+		}
 	}
-	wg.Wait()
-	for k, i := range undo {
-		if rerrs[k] != nil {
-			fe.ResumeFailed = append(fe.ResumeFailed, ServerError{Server: f[i].base, Err: rerrs[k]})
+	for _, c := range undo {
+		if err, ok := failed[c]; ok {
+			fe.ResumeFailed = append(fe.ResumeFailed, ServerError{Index: indexOf(f, c), Server: c.base, Err: err})
 		} else {
-			fe.Resumed = append(fe.Resumed, f[i].base)
+			fe.Resumed = append(fe.Resumed, c.base)
 		}
 	}
 	return fe
+}
+
+func indexOf(f Fleet, c *Client) int {
+	for i, x := range f {
+		if x == c {
+			return i
+		}
+	}
+	return -1
 }
 
 // ResumeAll resumes every server, also after some fail (each is tried).
 func (f Fleet) ResumeAll(ctx context.Context) error {
-	if err := f.check("resume"); err != nil {
-		return err
-	}
-	errs := f.each(func(_ int, c *Client) error { return c.Resume(ctx) })
-	return f.collect("resume", errs)
-}
-
-func (f Fleet) collect(op string, errs []error) error {
-	fe := &FleetError{Op: op, Total: len(f)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, ServerError{Server: f[i].base, Err: err})
-		}
-	}
-	if len(fe.Failed) == 0 {
-		return nil
-	}
-	return fe
+	return f.Each("resume", func(_ int, c *Client) error { return c.Resume(ctx) })
 }
 
 // Topology is the NCCL group a fleet forms with the trainer (rank 0).
@@ -156,15 +167,12 @@ type Topology struct {
 // WorldSizes asks every server for its world size (DP included) and lays
 // the servers out after the trainer in fleet order.
 func (f Fleet) WorldSizes(ctx context.Context) (Topology, error) {
-	if err := f.check("world size"); err != nil {
-		return Topology{}, err
-	}
 	sizes := make([]int, len(f))
-	errs := f.each(func(i int, c *Client) (err error) {
+	err := f.Each("world size", func(i int, c *Client) (err error) {
 		sizes[i], err = c.WorldSize(ctx, true)
 		return err
 	})
-	if err := f.collect("world size", errs); err != nil {
+	if err != nil {
 		return Topology{}, err
 	}
 	t := Topology{Sizes: sizes, RankOffsets: make([]int, len(f)), WorldSize: 1}

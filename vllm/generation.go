@@ -36,8 +36,9 @@ func ParseGeneration(s string) (Generation, error) {
 	return "", fmt.Errorf("unknown vLLM API generation %q (want A, B, C or D)", s)
 }
 
-// hasSessions reports whether the generation has start/finish_weight_update.
-func (g Generation) hasSessions() bool { return g == GenC || g == GenD }
+// HasSessions reports whether the generation has update sessions
+// (start/finish_weight_update) and weight versions: C and D.
+func (g Generation) HasSessions() bool { return g == GenC || g == GenD }
 
 // Generation returns the pinned or detected generation, "" if neither yet.
 func (c *Client) Generation() Generation {

@@ -164,17 +164,19 @@ func (c *Client) Chat(ctx context.Context, r ChatRequest) (*Result, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.opts.Timeouts.generate())
 	defer cancel()
+	// max_completion_tokens: the chat API's name for the bound since
+	// max_tokens was deprecated; vLLM's chat route takes both.
 	resp, err := c.oai.CreateChatCompletion(ctx, openai.ChatCompletionRequest{
-		Model:       r.Model,
-		Messages:    msgs,
-		MaxTokens:   r.MaxTokens,
-		Temperature: temperature(r.Temperature),
-		TopP:        r.TopP,
-		N:           r.N,
-		Seed:        r.Seed,
-		Stop:        r.Stop,
-		LogProbs:    r.Logprobs,
-		TopLogProbs: r.TopLogprobs,
+		Model:               r.Model,
+		Messages:            msgs,
+		MaxCompletionTokens: r.MaxTokens,
+		Temperature:         temperature(r.Temperature),
+		TopP:                r.TopP,
+		N:                   r.N,
+		Seed:                r.Seed,
+		Stop:                r.Stop,
+		LogProbs:            r.Logprobs,
+		TopLogProbs:         r.TopLogprobs,
 	})
 	if err != nil {
 		return nil, c.openaiError(ctx, callName, err)

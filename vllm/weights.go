@@ -3,9 +3,11 @@ package vllm
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"path/filepath"
+	"time"
 )
 
 // InitInfo is the trainer's side of init_weight_transfer_engine. Which
@@ -112,7 +114,7 @@ func initPayload(gen Generation, info InitInfo) (any, error) {
 		if info != (InitInfo{Disk: true}) {
 			return nil, fmt.Errorf("disk backend: init_info is {}, but NCCL fields are set")
 		}
-		if !gen.hasSessions() {
+		if !gen.HasSessions() {
 			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
 		}
 		return struct{}{}, nil
@@ -172,7 +174,7 @@ func checkPacked(packed bool, size int64, buffers int) error {
 // lost answer would hit "session already open".
 func (c *Client) StartWeightUpdate(ctx context.Context) error {
 	gen, err := c.generation(ctx)
-	if err != nil || !gen.hasSessions() {
+	if err != nil || !gen.HasSessions() {
 		return err
 	}
 	// {} rather than no body: some C builds parse the body (optional
@@ -211,7 +213,7 @@ func updatePayload(gen Generation, info UpdateInfo) (any, error) {
 		if !filepath.IsAbs(info.Path) {
 			return nil, fmt.Errorf("update_info: path %q must be absolute (every worker resolves it)", info.Path)
 		}
-		if !gen.hasSessions() {
+		if !gen.HasSessions() {
 			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
 		}
 		return diskUpdateInfo{Path: info.Path}, nil
@@ -271,6 +273,39 @@ func (c *Client) FinishWeightUpdate(ctx context.Context, version string) error {
 	}
 	_, err = c.do(ctx, cl, nil)
 	return err
+}
+
+// SessionCloseTimeout bounds closing an update session after a failed
+// update (CloseUpdateSession): cleanup must not turn a failure into a hang.
+const SessionCloseTimeout = 10 * time.Second
+
+// StartUpdateSession opens an update session (StartWeightUpdate). With
+// closeStale, the caller knows that any session already open belongs to a
+// trainer that is gone (a killed worker, a lost group): a start refused
+// with a 5xx then closes that session and starts once more.
+func (c *Client) StartUpdateSession(ctx context.Context, closeStale bool) error {
+	err := c.StartWeightUpdate(ctx)
+	var e *Error
+	if err == nil || !closeStale || !errors.As(err, &e) || e.Status < http.StatusInternalServerError {
+		return err
+	}
+	if c.CloseUpdateSession(ctx, "") != nil {
+		return err
+	}
+	if err2 := c.StartWeightUpdate(ctx); err2 != nil {
+		return fmt.Errorf("%w (closed a session left open, then start failed again: %v)", err, err2)
+	}
+	return nil
+}
+
+// CloseUpdateSession finishes the update session, recording version when
+// it is not empty, even when ctx is already done and within
+// SessionCloseTimeout: a cancelled or failed update must not leave the
+// server mid-update, and a server that does not answer must not hang it.
+func (c *Client) CloseUpdateSession(ctx context.Context, version string) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), SessionCloseTimeout)
+	defer cancel()
+	return c.FinishWeightUpdate(cctx, version)
 }
 
 // UpdateWeightVersion sets the server's weight version label (C, D).
@@ -342,7 +377,7 @@ func (c *Client) needSessions(ctx context.Context, cl call) error {
 	if err != nil {
 		return err
 	}
-	if !gen.hasSessions() {
+	if !gen.HasSessions() {
 		return c.errorf(cl, 0, nil, "not available on generation %s (C or D needed)", gen)
 	}
 	return nil
