@@ -5,8 +5,10 @@ GO        ?= go
 TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
 TEMPORAL_CLI := github.com/temporalio/cli/cmd/temporal@v1.5.1
+STATICCHECK   := bin/staticcheck
+WORKFLOWCHECK := bin/workflowcheck
 
-.PHONY: demo test build vet fuzz bench bench-generate compose-check clean gpu-carry
+.PHONY: demo test lint build vet fuzz bench bench-generate compose-check clean gpu-carry
 
 build: $(RLFLOW)
 
@@ -26,6 +28,21 @@ test: $(TEMPORAL)
 
 vet:
 	$(GO) vet ./...
+
+# The linters, pinned, built from the Go module proxy into ./bin once.
+$(STATICCHECK):
+	GOBIN=$(CURDIR)/bin $(GO) install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+$(WORKFLOWCHECK):
+	GOBIN=$(CURDIR)/bin $(GO) install go.temporal.io/sdk/contrib/tools/workflowcheck@v0.6.0
+
+# go vet, staticcheck, Temporal's determinism check of the interpreter, and
+# the import rule (layers_test.go: imports point one way, and the control
+# worker links nothing of NCCL).
+lint: $(STATICCHECK) $(WORKFLOWCHECK)
+	$(GO) vet ./...
+	$(STATICCHECK) ./...
+	$(WORKFLOWCHECK) -config workflows/workflowcheck.config.yaml ./workflows/...
+	$(GO) test -count=1 -run '^(TestLayers|TestLayersTableIsCurrent|TestControlWorkerNeedsNoNCCL)$$' .
 
 # Two minutes per fuzz target (the acceptance run).
 fuzz:
@@ -49,11 +66,11 @@ compose-check:
 gpu-carry: $(TEMPORAL)
 	mkdir -p .carry /tmp/rlflow-carry
 	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/staging-gpu.test ./nccl/staging
-	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/gpu.test ./gpu
+	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/ncclengine.test ./transfer/ncclengine
 	CGO_ENABLED=1 $(GO) test -c -ldflags='-s -w' -o /tmp/rlflow-carry/e2e.test ./e2e
 	CGO_ENABLED=1 $(GO) build -ldflags='-s -w' -o /tmp/rlflow-carry/rlflow ./cmd/rlflow
 	strip -o /tmp/rlflow-carry/temporal $(TEMPORAL)
-	for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do xz -T0 -6 -c /tmp/rlflow-carry/$$b > .carry/$$b.xz || exit 1; done
+	for b in staging-gpu.test ncclengine.test e2e.test rlflow temporal; do xz -T0 -6 -c /tmp/rlflow-carry/$$b > .carry/$$b.xz || exit 1; done
 	du -cb .carry/*.xz
 
 clean:

@@ -1,3 +1,17 @@
+// Package activities implements rlflow's step types as Temporal activities,
+// registered under the step type's name (pipelines.Step.Uses).
+//
+// Invariants: each activity takes one Input struct (the rendered `with`
+// values plus the pipelines.StepContext under "context") whose fields match
+// the step type's ArgSpecs in the pipelines registry (a test holds them
+// together), and first resolves it against that registry: unset arguments
+// take the registry's defaults, set ones are checked against its ranges. It
+// returns one Output struct whose JSON keys are the step's outputs; keys
+// starting with "_" are metadata and never outputs. Errors are
+// ApplicationErrors typed from pipelines.ErrorTypes; the non-retryable ones
+// fail a step at once whatever its retry policy. Both weight-transfer
+// backends go through one path (transfer.Engine). Dependencies (paths,
+// environment, the NCCL engine) come in through Deps, never from globals.
 package activities
 
 import (
@@ -7,10 +21,11 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/transfer"
 	"go.temporal.io/sdk/activity"
 )
 
-// Deps are what the control activities need from their host.
+// Deps are what the activities need from their host.
 type Deps struct {
 	// LogDir receives one log file per exec attempt.
 	LogDir string
@@ -24,31 +39,30 @@ type Deps struct {
 	// nil means os.Getenv. Secrets never come from step input.
 	Getenv func(string) string
 	// HTTPClient carries every request to the vLLM servers and scorers;
-	// nil means one shared client sized for MaxConcurrency connections per
-	// server (vllm.NewHTTPClient).
+	// nil means one shared client sized for pipelines.MaxConcurrency
+	// connections per server (vllm.NewHTTPClient).
 	HTTPClient *http.Client
-	// NCCL is the GPU worker's NCCL weight path; nil on control workers,
-	// where init_transfer and broadcast with the nccl backend fail at once.
-	NCCL NCCLTransfer
+	// NCCL is the GPU worker's NCCL backend (transfer/ncclengine); nil on
+	// control workers, where init_transfer and broadcast with the nccl
+	// backend fail at once with NoGPUWorker (the interpreter routes them
+	// to a GPU worker).
+	NCCL transfer.Engine
 }
 
-// Activities holds the control-worker activities; register it with
-// worker.RegisterActivityWithOptions per method, under the step type names.
+// Activities holds the activities; register each method under its step
+// type's name (package worker does).
 type Activities struct {
 	Deps
 
 	httpOnce sync.Once
 	http     *http.Client
 
-	// diskInit remembers the (run, server set) pairs whose disk transfer
-	// engine this process initialised, so broadcast initialises on first use
-	// (and again after a worker restart) without an init_transfer step.
-	diskMu   sync.Mutex
-	diskInit map[string]bool
+	// disk is the disk backend, which any worker runs.
+	disk *transfer.Disk
 }
 
-// New returns the control activities.
-func New(d Deps) *Activities { return &Activities{Deps: d} }
+// New returns the activities.
+func New(d Deps) *Activities { return &Activities{Deps: d, disk: transfer.NewDisk()} }
 
 // NoopInput is the `with` of a noop step.
 type NoopInput struct {
@@ -59,23 +73,20 @@ type NoopInput struct {
 
 // Noop returns its `outputs` after sleeping `sleep`, heartbeating meanwhile.
 func (a *Activities) Noop(ctx context.Context, in NoopInput) (map[string]any, error) {
+	if err := resolveArgs(ctx, pipelines.StepNoop, &in); err != nil {
+		return nil, err
+	}
 	if d := in.Sleep.D(); d > 0 {
+		stop := a.keepHeartbeating(ctx)
 		t := time.NewTimer(d)
-		defer t.Stop()
-		tick := time.NewTicker(a.heartbeatEvery(ctx))
-		defer tick.Stop()
-	wait:
-		for {
-			select {
-			case <-t.C:
-				break wait
-			case <-tick.C:
-				if activity.IsActivity(ctx) {
-					activity.RecordHeartbeat(ctx)
-				}
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+		stop()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
 		}
 	}
 	out := make(map[string]any, len(in.Outputs)+1)
@@ -83,7 +94,7 @@ func (a *Activities) Noop(ctx context.Context, in NoopInput) (map[string]any, er
 		out[k] = v
 	}
 	if activity.IsActivity(ctx) {
-		out[pipelines.MetaAttempt] = activity.GetInfo(ctx).Attempt
+		out[pipelines.MetaAttempt] = attemptOf(ctx)
 	}
 	return out, nil
 }

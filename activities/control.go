@@ -2,20 +2,18 @@ package activities
 
 import (
 	"context"
-	"sync"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
-	"go.temporal.io/sdk/activity"
 )
 
 // PauseInput is the `with` of a pause step.
 type PauseInput struct {
 	Context pipelines.StepContext `json:"context"`
 	Mode    string                `json:"mode,omitempty"`
-	// Timeout bounds each server's pause (default: vllm's control timeout,
-	// or its generate timeout for mode wait, which lasts as long as the
-	// longest request in flight).
+	// Timeout bounds each server's pause (default
+	// pipelines.DefaultControlTimeout, or DefaultRequestTimeout for mode
+	// wait, which lasts as long as the longest request in flight).
 	Timeout pipelines.Duration `json:"timeout,omitempty"`
 }
 
@@ -29,7 +27,7 @@ type ServersOutput struct {
 // ControlInput is the `with` of resume, is_paused and world_size.
 type ControlInput struct {
 	Context pipelines.StepContext `json:"context"`
-	// Timeout bounds each server's call (default vllm.DefaultControlTimeout).
+	// Timeout bounds each server's call.
 	Timeout pipelines.Duration `json:"timeout,omitempty"`
 }
 
@@ -49,45 +47,40 @@ type WorldSizeOutput struct {
 	Attempt   int `json:"_attempt"`
 }
 
-func attemptOf(ctx context.Context) int {
-	if activity.IsActivity(ctx) {
-		return int(activity.GetInfo(ctx).Attempt)
-	}
-	return 1
-}
-
 // Pause pauses every server in parallel. A pause that fails on some servers
 // is undone on the others (vllm.Fleet.PauseAll) and the error names each
 // failed server, the call and the reason.
 func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, error) {
-	mode := in.Mode
-	if mode == "" {
-		mode = vllm.PauseAbort
+	if err := resolveArgs(ctx, pipelines.StepPause, &in); err != nil {
+		return nil, err
 	}
-	switch mode {
-	case vllm.PauseAbort, vllm.PauseWait, vllm.PauseKeep:
+	// mode wait lasts as long as the longest request in flight, so its
+	// default deadline is a request's.
+	var t vllm.Timeouts
+	switch timeout := in.Timeout.D(); {
+	case in.Mode == vllm.PauseWait && timeout > 0:
+		t.Generate = timeout
+	case in.Mode == vllm.PauseWait:
+		t.Generate = pipelines.DefaultRequestTimeout
+	case timeout > 0:
+		t.Control = timeout
 	default:
-		return nil, badInput(ctx, "pause: mode %q, want abort, wait or keep", mode)
+		t.Control = pipelines.DefaultControlTimeout
 	}
-	t := vllm.Timeouts{Control: in.Timeout.D()}
-	if mode == vllm.PauseWait {
-		t = vllm.Timeouts{Generate: in.Timeout.D()}
-	}
-	f, err := a.fleet(ctx, "pause", in.Context, t)
+	f, err := a.fleet(ctx, pipelines.StepPause, in.Context, t)
 	if err != nil {
 		return nil, err
 	}
-	// mode wait lasts as long as the longest request in flight.
 	defer a.keepHeartbeating(ctx)()
-	if err := f.PauseAll(ctx, mode); err != nil {
-		return nil, serverError(ctx, err, "pause (mode %s)", mode)
+	if err := f.PauseAll(ctx, in.Mode); err != nil {
+		return nil, serverError(ctx, err, "pause (mode %s)", in.Mode)
 	}
 	return &ServersOutput{Servers: len(f), Attempt: attemptOf(ctx)}, nil
 }
 
 // Resume resumes every server in parallel, trying each even if others fail.
 func (a *Activities) Resume(ctx context.Context, in ControlInput) (*ServersOutput, error) {
-	f, err := a.fleet(ctx, "resume", in.Context, vllm.Timeouts{Control: in.Timeout.D()})
+	f, err := a.controlFleet(ctx, pipelines.StepResume, &in)
 	if err != nil {
 		return nil, err
 	}
@@ -99,18 +92,16 @@ func (a *Activities) Resume(ctx context.Context, in ControlInput) (*ServersOutpu
 
 // IsPaused asks every server in parallel whether it is paused.
 func (a *Activities) IsPaused(ctx context.Context, in ControlInput) (*IsPausedOutput, error) {
-	f, err := a.fleet(ctx, "is_paused", in.Context, vllm.Timeouts{Control: in.Timeout.D()})
+	f, err := a.controlFleet(ctx, pipelines.StepIsPaused, &in)
 	if err != nil {
 		return nil, err
 	}
 	paused := make([]bool, len(f))
-	errs := make([]error, len(f))
-	var wg sync.WaitGroup
-	for i, c := range f {
-		wg.Go(func() { paused[i], errs[i] = c.IsPaused(ctx) })
-	}
-	wg.Wait()
-	if err := fleetError("is_paused", f, errs); err != nil {
+	err = f.Each("is_paused", func(i int, c *vllm.Client) (err error) {
+		paused[i], err = c.IsPaused(ctx)
+		return err
+	})
+	if err != nil {
 		return nil, serverError(ctx, err, "is_paused")
 	}
 	out := &IsPausedOutput{Attempt: attemptOf(ctx)}
@@ -125,7 +116,7 @@ func (a *Activities) IsPaused(ctx context.Context, in ControlInput) (*IsPausedOu
 
 // WorldSize asks every server for its world size (DP included).
 func (a *Activities) WorldSize(ctx context.Context, in ControlInput) (*WorldSizeOutput, error) {
-	f, err := a.fleet(ctx, "world_size", in.Context, vllm.Timeouts{Control: in.Timeout.D()})
+	f, err := a.controlFleet(ctx, pipelines.StepWorldSize, &in)
 	if err != nil {
 		return nil, err
 	}
@@ -134,4 +125,12 @@ func (a *Activities) WorldSize(ctx context.Context, in ControlInput) (*WorldSize
 		return nil, serverError(ctx, err, "world_size")
 	}
 	return &WorldSizeOutput{WorldSize: topo.WorldSize, Attempt: attemptOf(ctx)}, nil
+}
+
+// controlFleet resolves a control step's input and builds its fleet.
+func (a *Activities) controlFleet(ctx context.Context, step string, in *ControlInput) (vllm.Fleet, error) {
+	if err := resolveArgs(ctx, step, in); err != nil {
+		return nil, err
+	}
+	return a.fleet(ctx, step, in.Context, vllm.Timeouts{Control: in.Timeout.D()})
 }

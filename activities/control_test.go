@@ -72,7 +72,7 @@ func TestControlErrors(t *testing.T) {
 	// error names the failed server, the call and the reason.
 	a := newActivities(t)
 	_, err := a.Pause(ctx, PauseInput{Context: stepContext(t, "pause", good, pauseFails), Mode: vllm.PauseKeep})
-	assert.Equal(t, ErrTypeServerError, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
 	assert.ErrorContains(t, err, "pause (mode keep) (type: ServerError, retryable: true): vllm fleet: pause failed on 1 of 2 servers; vllm "+pauseFails.URL+": POST /pause: HTTP 500: double: injected fault")
 	assert.ErrorContains(t, err, "resumed "+good.URL)
 	assert.NotContains(t, err.Error(), "vllm "+good.URL+": POST /pause")
@@ -87,31 +87,31 @@ func TestControlErrors(t *testing.T) {
 		{"pause 404 without dev mode", func() error {
 			_, err := a.Pause(ctx, PauseInput{Context: stepContext(t, "p", noDev)})
 			return err
-		}, ErrTypeServerRejected, "vllm " + noDev.URL + ": POST /pause: HTTP 404: Not Found"},
+		}, pipelines.ErrTypeServerRejected, "vllm " + noDev.URL + ": POST /pause: HTTP 404: Not Found"},
 		{"bad mode", func() error {
 			_, err := a.Pause(ctx, PauseInput{Context: stepContext(t, "p", good), Mode: "hold"})
 			return err
-		}, ErrTypeBadInput, `pause: mode "hold", want abort, wait or keep`},
+		}, pipelines.ErrTypeBadInput, `pause: mode: "hold" is not one of abort, wait, keep`},
 		{"resume 409 is retryable", func() error {
 			_, err := a.Resume(ctx, ControlInput{Context: pipelines.StepContext{Servers: []pipelines.Server{{URL: conflict}}}})
 			return err
-		}, ErrTypeServerError, "POST /resume: HTTP 409: engine busy"},
+		}, pipelines.ErrTypeServerError, "POST /resume: HTTP 409: engine busy"},
 		{"is_paused 404", func() error {
 			_, err := a.IsPaused(ctx, ControlInput{Context: stepContext(t, "p", good, noDev)})
 			return err
-		}, ErrTypeServerRejected, "is_paused (type: ServerRejected, retryable: false): vllm fleet: is_paused failed on 1 of 2 servers; vllm " + noDev.URL + ": GET /is_paused: HTTP 404"},
+		}, pipelines.ErrTypeServerRejected, "is_paused (type: ServerRejected, retryable: false): vllm fleet: is_paused failed on 1 of 2 servers; vllm " + noDev.URL + ": GET /is_paused: HTTP 404"},
 		{"world_size 404", func() error {
 			_, err := a.WorldSize(ctx, ControlInput{Context: stepContext(t, "p", noDev)})
 			return err
-		}, ErrTypeServerRejected, "GET /get_world_size: HTTP 404"},
+		}, pipelines.ErrTypeServerRejected, "GET /get_world_size: HTTP 404"},
 		{"no servers", func() error {
 			_, err := a.Resume(ctx, ControlInput{})
 			return err
-		}, ErrTypeBadInput, "resume: the pipeline has no servers"},
+		}, pipelines.ErrTypeBadInput, "resume: the pipeline has no servers"},
 		{"unreachable", func() error {
 			_, err := a.Resume(ctx, ControlInput{Context: pipelines.StepContext{Servers: []pipelines.Server{{URL: "http://127.0.0.1:1"}}}, Timeout: pipelines.Duration(1e9)})
 			return err
-		}, ErrTypeServerError, "vllm http://127.0.0.1:1: POST /resume: "},
+		}, pipelines.ErrTypeServerError, "vllm http://127.0.0.1:1: POST /resume: "},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -1,91 +1,126 @@
-// Package activities implements rlflow's step types as Temporal activities,
-// registered under the step type's name (pipelines.Step.Uses).
-//
-// Invariants: each activity takes one Input struct (the rendered `with`
-// values plus the pipelines.StepContext under "context") and returns one
-// Output struct whose JSON keys are the step's outputs; keys starting with
-// "_" are metadata and never outputs. Errors are ApplicationErrors typed with
-// the ErrType* constants below; the non-retryable ones fail a step at once
-// whatever its retry policy. Dependencies (paths, clocks, environment) come
-// in through the Deps struct, never from globals.
 package activities
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 
 	"github.com/rlflow/rlflow/pipelines"
-	"go.temporal.io/sdk/activity"
+	"github.com/rlflow/rlflow/transfer"
+	"github.com/rlflow/rlflow/vllm"
 	"go.temporal.io/sdk/temporal"
 )
 
-// Error types. Non-retryable ones describe failures a retry cannot fix.
-const (
-	ErrTypeBadInput        = "BadInput"        // non-retryable: the step's arguments are wrong
-	ErrTypeCommandNotFound = "CommandNotFound" // non-retryable: exec's program does not exist
-	ErrTypeOutputMissing   = "OutputMissing"   // non-retryable: a declared output was not written
-	ErrTypeExit            = "ExitError"       // retryable: exec's command exited non-zero
-	ErrTypeSignal          = "Signaled"        // retryable: exec's command was killed by a signal
-	ErrTypeIO              = "IOError"         // retryable: local file or process trouble
-	// ErrTypeServerError: a vLLM server (or an http scorer) failed, timed
-	// out, or could not be reached: a 5xx, 408, 409, 425, 429 or a transport
-	// error. Retryable: a retried generate resumes where it stopped.
-	ErrTypeServerError = "ServerError"
-	// ErrTypeServerRejected: a server refused the request for good (400,
-	// 401, 403, 404, 405, 422, ...: a prompt over the context length, a
-	// wrong API key, dev-mode routes missing), or the client refused to send
-	// it (a payload the server's API generation cannot take). Non-retryable.
-	ErrTypeServerRejected = "ServerRejected"
-	// ErrTypeNoGPUWorker: an nccl transfer step reached a worker without
-	// the NCCL weight path (start the worker with `rlflow worker --gpu`).
-	// Non-retryable: the retry would land on the same task queue.
-	ErrTypeNoGPUWorker = "NoGPUWorker"
-	// ErrTypeNCCL: the NCCL group failed or was lost. Retryable: the next
-	// attempt re-initialises the group.
-	ErrTypeNCCL = "NCCLError"
-)
-
-// NonRetryable lists the error types every step treats as final.
-var NonRetryable = []string{ErrTypeBadInput, ErrTypeCommandNotFound, ErrTypeOutputMissing, ErrTypeServerRejected, ErrTypeNoGPUWorker}
-
-func isNonRetryable(errType string) bool {
-	for _, t := range NonRetryable {
-		if t == errType {
-			return true
-		}
-	}
-	return false
-}
-
-// stepError builds the ApplicationError an activity returns: typed, with the
-// attempt as its detail so the interpreter can report it.
+// stepError builds the ApplicationError an activity returns: typed from
+// pipelines.ErrorTypes (a non-retryable type fails the step whatever its
+// retry policy), with the attempt as its detail so the interpreter can
+// report it. The message says which step and which call failed and never
+// repeats the cause: the error's text is the message, then the cause.
 func stepError(ctx context.Context, errType string, cause error, format string, args ...any) error {
-	msg := fmt.Sprintf(format, args...)
-	attempt := 0
-	if activity.IsActivity(ctx) {
-		attempt = int(activity.GetInfo(ctx).Attempt)
-	}
-	return temporal.NewApplicationErrorWithOptions(msg, errType, temporal.ApplicationErrorOptions{
-		NonRetryable: isNonRetryable(errType),
+	return temporal.NewApplicationErrorWithOptions(fmt.Sprintf(format, args...), errType, temporal.ApplicationErrorOptions{
+		NonRetryable: pipelines.IsNonRetryable(errType),
 		Cause:        cause,
-		Details:      []any{pipelines.AttemptDetail{Attempt: attempt}},
+		Details:      []any{pipelines.AttemptDetail{Attempt: attemptOf(ctx)}},
 	})
-}
-
-// StepError is stepError for step implementations outside this package
-// (package gpu implements the NCCL transfer steps behind NCCLTransfer).
-func StepError(ctx context.Context, errType string, cause error, format string, args ...any) error {
-	return stepError(ctx, errType, cause, format, args...)
 }
 
 // badInput is the error for arguments that can never work.
 func badInput(ctx context.Context, format string, args ...any) error {
-	return stepError(ctx, ErrTypeBadInput, nil, format, args...)
+	return stepError(ctx, pipelines.ErrTypeBadInput, nil, format, args...)
+}
+
+// resolveArgs fills in the step's unset arguments with the registry's
+// defaults and checks the rest against the registry's ranges: the rules
+// `rlflow validate` applies to literal values, applied here to what the
+// expressions rendered.
+func resolveArgs(ctx context.Context, step string, in any) error {
+	if err := pipelines.ResolveArgs(step, in); err != nil {
+		return badInput(ctx, "%s: %v", step, err)
+	}
+	return nil
 }
 
 // IsType reports whether err is an ApplicationError of the given type.
 func IsType(err error, errType string) bool {
 	var app *temporal.ApplicationError
 	return errors.As(err, &app) && app.Type() == errType
+}
+
+// serverError types a vllm error: retryable unless the server (or the
+// client, before sending) refused the request for good. When the step's own
+// context ended, that is the error, so Temporal sees a cancel or timeout.
+func serverError(ctx context.Context, err error, format string, args ...any) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return stepError(ctx, classify(err), err, format, args...)
+}
+
+// classify returns ErrTypeServerRejected when err is final: every failed
+// server of a FleetError refused for good, or the one vllm.Error did.
+func classify(err error) string {
+	var fe *vllm.FleetError
+	if errors.As(err, &fe) {
+		for _, f := range fe.Failed {
+			if classify(f.Err) != pipelines.ErrTypeServerRejected {
+				return pipelines.ErrTypeServerError
+			}
+		}
+		if len(fe.Failed) > 0 {
+			return pipelines.ErrTypeServerRejected
+		}
+		return pipelines.ErrTypeServerError
+	}
+	var e *vllm.Error
+	if !errors.As(err, &e) {
+		return pipelines.ErrTypeServerError
+	}
+	if final(e.Status, e.Err) {
+		return pipelines.ErrTypeServerRejected
+	}
+	return pipelines.ErrTypeServerError
+}
+
+// final reports whether an HTTP outcome can never change on a retry: a 4xx
+// other than timeouts, conflicts and rate limits, or a request the client
+// refused to send (no status, no transport error).
+func final(status int, transportErr error) bool {
+	switch {
+	case status == 0:
+		return transportErr == nil
+	case status == http.StatusRequestTimeout, status == http.StatusConflict,
+		status == http.StatusTooEarly, status == http.StatusTooManyRequests:
+		return false
+	}
+	return status >= 400 && status < 500
+}
+
+// notAvailable reports whether err says the server has no such route (404:
+// an older vLLM, or dev mode off) or its API generation lacks the call.
+func notAvailable(err error) bool {
+	var e *vllm.Error
+	return errors.As(err, &e) && (e.Status == http.StatusNotFound || (e.Status == 0 && e.Err == nil))
+}
+
+// transferError types a weight-transfer engine's failure by its
+// transfer.Kind; a step whose context ended gets the engine's error as is,
+// so Temporal reports the cancellation or timeout.
+func transferError(ctx context.Context, step string, err error) error {
+	if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return err
+	}
+	var te *transfer.Error
+	if !errors.As(err, &te) {
+		return serverError(ctx, err, "%s", step)
+	}
+	switch te.Kind {
+	case transfer.BadInput:
+		return stepError(ctx, pipelines.ErrTypeBadInput, te.Err, "%s: %s", step, te.Msg)
+	case transfer.ServerFailed:
+		return stepError(ctx, classify(te.Err), te.Err, "%s: %s", step, te.Msg)
+	case transfer.DeviceLost:
+		return stepError(ctx, pipelines.ErrTypeGPUWorkerLost, te.Err, "%s: %s", step, te.Msg)
+	}
+	return stepError(ctx, pipelines.ErrTypeNCCL, te.Err, "%s: %s", step, te.Msg)
 }

@@ -35,14 +35,14 @@ type EvaluateOutput struct {
 // (bounded pool over every server, resumable, atomic output) and scores
 // each sample as it arrives, so a retried attempt resumes scoring too.
 func (a *Activities) Evaluate(ctx context.Context, in EvaluateInput) (*EvaluateOutput, error) {
-	if len(in.Scorer) == 0 || string(in.Scorer) == "null" {
-		return nil, badInput(ctx, "evaluate: scorer is required, e.g. {type: exact_match}")
+	if err := resolveArgs(ctx, pipelines.StepEvaluate, &in); err != nil {
+		return nil, err
 	}
 	spec, err := pipelines.ParseScorer(in.Scorer)
 	if err != nil {
 		return nil, badInput(ctx, "evaluate: %v", err)
 	}
-	run, err := a.newGenRun(ctx, "evaluate", &in.GenerateInput, "scores.jsonl", true, in.Scorer)
+	run, err := a.newGenRun(ctx, pipelines.StepEvaluate, &in.GenerateInput, "scores.jsonl", true, in.Scorer)
 	if err != nil {
 		return nil, err
 	}

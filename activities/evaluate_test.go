@@ -124,7 +124,7 @@ func TestEvaluateBadInput(t *testing.T) {
 		lines        []string
 		want         string
 	}{
-		{"no scorer", ``, []string{`{"prompt": "a", "answer": "b"}`}, "evaluate: scorer is required"},
+		{"no scorer", ``, []string{`{"prompt": "a", "answer": "b"}`}, "evaluate: scorer: is required"},
 		{"unknown type", `{"type": "bleu"}`, []string{`{"prompt": "a", "answer": "b"}`}, `unknown scorer type "bleu"`},
 		{"bad regex", `{"type": "regex", "pattern": "(("}`, []string{`{"prompt": "a", "answer": "b"}`}, "bad regular expression"},
 		{"no answer", `{"type": "exact_match"}`, []string{`{"prompt": "a", "answer": "b"}`, `{"prompt": "c"}`}, `e.jsonl:2: has no "answer"`},
@@ -137,7 +137,7 @@ func TestEvaluateBadInput(t *testing.T) {
 			sc := stepContext(t, "eval", d)
 			in := EvaluateInput{GenerateInput: GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "e.jsonl", c.lines...)}, Scorer: json.RawMessage(c.scorer)}
 			_, err := newActivities(t).Evaluate(context.Background(), in)
-			assert.Equal(t, ErrTypeBadInput, errType(t, err))
+			assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 			assert.ErrorContains(t, err, c.want)
 		})
 	}
@@ -193,9 +193,9 @@ func TestEvaluateHTTPScorer(t *testing.T) {
 	}{
 		{"ok", never, "", ""},
 		{"transient 503s are retried", flaky, "", ""},
-		{"500", func(int64) (int, string) { return 500, "boom" }, ErrTypeServerError, "HTTP 500: boom"},
-		{"400 is final", func(int64) (int, string) { return 400, "no" }, ErrTypeServerRejected, "HTTP 400: no"},
-		{"no score", func(int64) (int, string) { return 200, `{"value": 1}` }, ErrTypeServerRejected, `has no numeric "score"`},
+		{"500", func(int64) (int, string) { return 500, "boom" }, pipelines.ErrTypeServerError, "HTTP 500: boom"},
+		{"400 is final", func(int64) (int, string) { return 400, "no" }, pipelines.ErrTypeServerRejected, "HTTP 400: no"},
+		{"no score", func(int64) (int, string) { return 200, `{"value": 1}` }, pipelines.ErrTypeServerRejected, `has no numeric "score"`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -58,22 +58,21 @@ type ExecHeartbeat struct {
 }
 
 const (
-	defaultKillGrace = 10 * time.Second
-	logTailBytes     = 2048
-	maxOutputsBytes  = 1 << 20
+	logTailBytes    = 2048
+	maxOutputsBytes = 1 << 20
 )
 
 // Exec runs a command: its stdout and stderr go to one log file per attempt,
 // it heartbeats while the command runs, and on cancellation or timeout its
 // whole process group gets SIGTERM, then SIGKILL after kill_grace.
 func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error) {
-	if len(in.Command) == 0 || in.Command[0] == "" {
-		return nil, badInput(ctx, "exec: command is empty")
+	if err := resolveArgs(ctx, pipelines.StepExec, &in); err != nil {
+		return nil, err
 	}
-	attempt := 1
-	if activity.IsActivity(ctx) {
-		attempt = int(activity.GetInfo(ctx).Attempt)
+	if in.Command[0] == "" {
+		return nil, badInput(ctx, "exec: command[0], the program, is empty")
 	}
+	attempt := attemptOf(ctx)
 	sc := in.Context
 	dir := resolvePath(sc.BaseDir, in.Dir)
 	if dir != "" {
@@ -83,22 +82,22 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 	}
 	prog, err := lookPath(in.Command[0], dir)
 	if err != nil {
-		return nil, stepError(ctx, ErrTypeCommandNotFound, err, "exec: %v", err)
+		return nil, stepError(ctx, pipelines.ErrTypeCommandNotFound, err, "exec")
 	}
 
-	stepDir := filepath.Join(a.LogDir, safeName(sc.RunID), fmt.Sprintf("iter-%d", sc.Iteration), safeName(sc.StepID))
-	if err := os.MkdirAll(stepDir, 0o755); err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "exec: creating log dir: %v", err)
+	logDir := stepDir(a.LogDir, sc)
+	if err := os.MkdirAll(logDir, 0o755); err != nil {
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the log dir")
 	}
-	logPath := filepath.Join(stepDir, fmt.Sprintf("attempt-%d.log", attempt))
+	logPath := filepath.Join(logDir, fmt.Sprintf("attempt-%d.log", attempt))
 	logFile, err := os.Create(logPath)
 	if err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "exec: creating log: %v", err)
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the log")
 	}
 	defer logFile.Close()
-	outputsPath := filepath.Join(stepDir, fmt.Sprintf("attempt-%d.outputs", attempt))
+	outputsPath := filepath.Join(logDir, fmt.Sprintf("attempt-%d.outputs", attempt))
 	if err := os.WriteFile(outputsPath, nil, 0o644); err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "exec: creating outputs file: %v", err)
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the outputs file")
 	}
 
 	cmd := exec.Command(prog, in.Command[1:]...)
@@ -125,7 +124,7 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 	// next to the retry that another worker starts.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
-		return nil, stepError(ctx, ErrTypeIO, err, "exec: starting %s: %v", prog, err)
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: starting %s", prog)
 	}
 	waitErr := a.superviseProcess(ctx, cmd, logPath, in.KillGrace.D())
 	tail := fileTail(logPath, logTailBytes)
@@ -137,11 +136,11 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 		var exitErr *exec.ExitError
 		if errors.As(waitErr, &exitErr) {
 			if ws, ok := exitErr.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-				return nil, stepError(ctx, ErrTypeSignal, nil, "exec: %s killed by signal %v (log %s); log tail:\n%s", in.Command[0], ws.Signal(), logPath, tail)
+				return nil, stepError(ctx, pipelines.ErrTypeSignal, nil, "exec: %s killed by signal %v (log %s); log tail:\n%s", in.Command[0], ws.Signal(), logPath, tail)
 			}
-			return nil, stepError(ctx, ErrTypeExit, nil, "exec: %s exited with code %d (log %s); log tail:\n%s", in.Command[0], exitErr.ExitCode(), logPath, tail)
+			return nil, stepError(ctx, pipelines.ErrTypeExit, nil, "exec: %s exited with code %d (log %s); log tail:\n%s", in.Command[0], exitErr.ExitCode(), logPath, tail)
 		}
-		return nil, stepError(ctx, ErrTypeIO, waitErr, "exec: waiting for %s: %v", in.Command[0], waitErr)
+		return nil, stepError(ctx, pipelines.ErrTypeIO, waitErr, "exec: waiting for %s", in.Command[0])
 	}
 	values, err := readOutputs(outputsPath)
 	if err != nil {
@@ -154,7 +153,7 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 		}
 	}
 	if len(missing) > 0 {
-		return nil, stepError(ctx, ErrTypeOutputMissing, nil, "exec: %s did not write declared output(s) %s to $RLFLOW_OUTPUTS; log tail:\n%s",
+		return nil, stepError(ctx, pipelines.ErrTypeOutputMissing, nil, "exec: %s did not write declared output(s) %s to $RLFLOW_OUTPUTS; log tail:\n%s",
 			in.Command[0], strings.Join(missing, ", "), tail)
 	}
 	return &ExecOutput{ExitCode: 0, Log: logPath, Values: values, Attempt: attempt}, nil
@@ -163,9 +162,6 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 // superviseProcess waits for cmd, heartbeating, and kills its process group
 // when ctx ends. It returns cmd.Wait's error.
 func (a *Activities) superviseProcess(ctx context.Context, cmd *exec.Cmd, logPath string, grace time.Duration) error {
-	if grace <= 0 {
-		grace = defaultKillGrace
-	}
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
 	start := time.Now()
@@ -197,19 +193,6 @@ func (a *Activities) superviseProcess(ctx context.Context, cmd *exec.Cmd, logPat
 	}
 }
 
-func (a *Activities) heartbeatEvery(ctx context.Context) time.Duration {
-	every := a.HeartbeatEvery
-	if every <= 0 {
-		every = 5 * time.Second
-	}
-	if activity.IsActivity(ctx) {
-		if hb := activity.GetInfo(ctx).HeartbeatTimeout; hb > 0 && hb/3 < every {
-			every = hb / 3
-		}
-	}
-	return max(every, 10*time.Millisecond)
-}
-
 func lookPath(name, dir string) (string, error) {
 	if strings.Contains(name, "/") {
 		p := resolvePath(dir, name)
@@ -227,25 +210,6 @@ func lookPath(name, dir string) (string, error) {
 		return "", fmt.Errorf("command %q not found in PATH", name)
 	}
 	return p, nil
-}
-
-func resolvePath(base, p string) string {
-	if p == "" {
-		return base
-	}
-	if filepath.IsAbs(p) || base == "" {
-		return p
-	}
-	return filepath.Join(base, p)
-}
-
-var unsafeChars = regexp.MustCompile(`[^A-Za-z0-9._-]+`)
-
-func safeName(s string) string {
-	if s == "" {
-		return "_"
-	}
-	return unsafeChars.ReplaceAllString(s, "_")
 }
 
 func fileTail(path string, n int64) string {

@@ -2,7 +2,6 @@ package activities
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -10,11 +9,6 @@ import (
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )
-
-// MaxConcurrency bounds the concurrency of generate, evaluate and the http
-// and judge scorers: the shared HTTP client keeps this many idle
-// connections per server, so every request in flight reuses a connection.
-const MaxConcurrency = 1024
 
 func (a *Activities) getenv(name string) string {
 	if a.Getenv != nil {
@@ -25,11 +19,13 @@ func (a *Activities) getenv(name string) string {
 
 // httpClient is the one client every server request of this worker goes
 // through: a transport per step would leave its idle connections behind.
+// It keeps pipelines.MaxConcurrency idle connections per server, so every
+// request of the widest step reuses one.
 func (a *Activities) httpClient() *http.Client {
 	if a.HTTPClient != nil {
 		return a.HTTPClient
 	}
-	a.httpOnce.Do(func() { a.http = vllm.NewHTTPClient(MaxConcurrency) })
+	a.httpOnce.Do(func() { a.http = vllm.NewHTTPClient(pipelines.MaxConcurrency) })
 	return a.http
 }
 
@@ -75,76 +71,4 @@ func (a *Activities) client(s pipelines.Server, t vllm.Timeouts) (*vllm.Client, 
 		}
 	}
 	return vllm.New(s.URL, vllm.Options{APIKey: key, HTTPClient: a.httpClient(), Timeouts: t, Generation: gen})
-}
-
-// fleetError collects per-server errors into a *vllm.FleetError, or nil.
-func fleetError(op string, f vllm.Fleet, errs []error) error {
-	fe := &vllm.FleetError{Op: op, Total: len(f)}
-	for i, err := range errs {
-		if err != nil {
-			fe.Failed = append(fe.Failed, vllm.ServerError{Server: f[i].URL(), Err: err})
-		}
-	}
-	if len(fe.Failed) == 0 {
-		return nil
-	}
-	return fe
-}
-
-// serverError types a vllm error: retryable unless the server (or the
-// client, before sending) refused the request for good. When the step's own
-// context ended, that is the error, so Temporal sees a cancel or timeout.
-func serverError(ctx context.Context, err error, format string, args ...any) error {
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	// The cause's text follows the message in the error's text (and in the
-	// Temporal UI): the message only says which step and which call failed.
-	return stepError(ctx, classify(err), err, format, args...)
-}
-
-// classify returns ErrTypeServerRejected when err is final: every failed
-// server of a FleetError refused for good, or the one vllm.Error did.
-func classify(err error) string {
-	var fe *vllm.FleetError
-	if errors.As(err, &fe) {
-		for _, f := range fe.Failed {
-			if classify(f.Err) != ErrTypeServerRejected {
-				return ErrTypeServerError
-			}
-		}
-		if len(fe.Failed) > 0 {
-			return ErrTypeServerRejected
-		}
-		return ErrTypeServerError
-	}
-	var e *vllm.Error
-	if !errors.As(err, &e) {
-		return ErrTypeServerError
-	}
-	if final(e.Status, e.Err) {
-		return ErrTypeServerRejected
-	}
-	return ErrTypeServerError
-}
-
-// final reports whether an HTTP outcome can never change on a retry: a 4xx
-// other than timeouts, conflicts and rate limits, or a request the client
-// refused to send (no status, no transport error).
-func final(status int, transportErr error) bool {
-	switch {
-	case status == 0:
-		return transportErr == nil
-	case status == http.StatusRequestTimeout, status == http.StatusConflict,
-		status == http.StatusTooEarly, status == http.StatusTooManyRequests:
-		return false
-	}
-	return status >= 400 && status < 500
-}
-
-// notAvailable reports whether err says the server has no such route (404:
-// an older vLLM, or dev mode off) or its API generation lacks the call.
-func notAvailable(err error) bool {
-	var e *vllm.Error
-	return errors.As(err, &e) && (e.Status == http.StatusNotFound || (e.Status == 0 && e.Err == nil))
 }

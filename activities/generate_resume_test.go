@@ -3,6 +3,7 @@ package activities
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/testsuite"
 
+	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 )
@@ -117,9 +119,11 @@ func openResume(t *testing.T, path string, g *genRun, n int) (*partialFile, int,
 	return pw, done, err
 }
 
+// mustGenRun prepares the run Generate would for in, defaults resolved.
 func mustGenRun(t *testing.T, a *Activities, in GenerateInput) *genRun {
 	t.Helper()
-	g, err := a.newGenRun(context.Background(), "generate", &in, "rollouts.jsonl", false, nil)
+	require.NoError(t, resolveArgs(context.Background(), pipelines.StepGenerate, &in))
+	g, err := a.newGenRun(context.Background(), pipelines.StepGenerate, &in, "rollouts.jsonl", false, nil)
 	require.NoError(t, err)
 	return g
 }
@@ -277,10 +281,33 @@ func TestGeneratePartialFileIsLocked(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, syscall.Flock(int(held.Fd()), syscall.LOCK_EX))
 	_, err = a.Generate(context.Background(), in)
-	assert.Equal(t, ErrTypeIO, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeIO, errType(t, err))
 	assert.ErrorContains(t, err, "is locked by another attempt of this step")
 	held.Close()
 	out, err := a.Generate(context.Background(), in)
 	require.NoError(t, err)
 	assert.Equal(t, 2, out.Samples)
+}
+
+// writeHeader reports every failure to start a partial file: a partial
+// without its header can never be resumed. (It once ignored them: the
+// error of Truncate and WriteAt was a shadowed variable.)
+func TestWriteHeaderReportsFailures(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "x.partial")
+	require.NoError(t, os.WriteFile(path, []byte("old contents\n"), 0o644))
+	ro, err := os.Open(path) // read-only: truncating and writing fail
+	require.NoError(t, err)
+	defer ro.Close()
+	assert.Error(t, writeHeader(ro, []byte("{}\n")))
+
+	rw, err := os.OpenFile(path, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer rw.Close()
+	require.NoError(t, writeHeader(rw, []byte("{}\n")))
+	got, err := os.ReadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, "{}\n", string(got))
+	off, err := rw.Seek(0, io.SeekCurrent)
+	require.NoError(t, err)
+	assert.Equal(t, int64(3), off)
 }

@@ -94,7 +94,7 @@ func TestGenerateBadPrompts(t *testing.T) {
 			sc := stepContext(t, "g", d)
 			writeLines(t, sc.BaseDir, "prompts.jsonl", c.lines...)
 			_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "prompts.jsonl"})
-			assert.Equal(t, ErrTypeBadInput, errType(t, err))
+			assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 			assert.Contains(t, err.Error(), filepath.Join(sc.BaseDir, c.want))
 		})
 	}
@@ -102,7 +102,7 @@ func TestGenerateBadPrompts(t *testing.T) {
 
 	sc := stepContext(t, "g", d)
 	_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "missing.jsonl"})
-	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 	assert.ErrorContains(t, err, "missing.jsonl: no such file")
 }
 
@@ -147,21 +147,21 @@ func TestGenerateErrors(t *testing.T) {
 		typ     string
 		want    []string
 	}{
-		{name: "no servers", typ: ErrTypeBadInput, want: []string{"generate: the pipeline has no servers"}},
-		{name: "api key unset", servers: []pipelines.Server{{URL: keyed.URL, APIKeyEnv: "VLLM_KEY"}}, typ: ErrTypeBadInput,
+		{name: "no servers", typ: pipelines.ErrTypeBadInput, want: []string{"generate: the pipeline has no servers"}},
+		{name: "api key unset", servers: []pipelines.Server{{URL: keyed.URL, APIKeyEnv: "VLLM_KEY"}}, typ: pipelines.ErrTypeBadInput,
 			want: []string{"servers[0] (" + keyed.URL + "): api_key_env names VLLM_KEY, which is not set"}},
 		{name: "api key wrong", servers: []pipelines.Server{{URL: keyed.URL, APIKeyEnv: "VLLM_KEY"}}, env: map[string]string{"VLLM_KEY": "nope"},
-			typ: ErrTypeServerRejected, want: []string{keyed.URL, "GET /v1/models", "HTTP 401", "Unauthorized"}},
-		{name: "bad api pin", servers: []pipelines.Server{{URL: ok.URL, API: "Z"}}, typ: ErrTypeBadInput, want: []string{`unknown vLLM API generation "Z"`}},
-		{name: "400 context length", servers: servers(short), in: GenerateInput{MaxTokens: 16}, typ: ErrTypeServerRejected,
+			typ: pipelines.ErrTypeServerRejected, want: []string{keyed.URL, "GET /v1/models", "HTTP 401", "Unauthorized"}},
+		{name: "bad api pin", servers: []pipelines.Server{{URL: ok.URL, API: "Z"}}, typ: pipelines.ErrTypeBadInput, want: []string{`unknown vLLM API generation "Z"`}},
+		{name: "400 context length", servers: servers(short), in: GenerateInput{MaxTokens: 16}, typ: pipelines.ErrTypeServerRejected,
 			want: []string{"prompts.jsonl:", "sample 0 (type: ServerRejected, retryable: false): vllm " + short.URL, "POST /v1/completions: HTTP 400", "maximum context length is 20"}},
-		{name: "404 model", servers: servers(ok), in: GenerateInput{Model: "nope"}, typ: ErrTypeServerRejected,
+		{name: "404 model", servers: servers(ok), in: GenerateInput{Model: "nope"}, typ: pipelines.ErrTypeServerRejected,
 			want: []string{"POST /v1/completions: HTTP 404", "The model `nope` does not exist"}},
-		{name: "500", servers: servers(failing), typ: ErrTypeServerError,
+		{name: "500", servers: servers(failing), typ: pipelines.ErrTypeServerError,
 			want: []string{failing.URL, "POST /v1/completions: HTTP 500", "injected fault"}},
-		{name: "409", servers: []pipelines.Server{{URL: conflict}}, typ: ErrTypeServerError, want: []string{"HTTP 409: busy"}},
-		{name: "bad n", servers: servers(ok), in: GenerateInput{N: -1}, typ: ErrTypeBadInput, want: []string{"n -1"}},
-		{name: "bad concurrency", servers: servers(ok), in: GenerateInput{Concurrency: MaxConcurrency + 1}, typ: ErrTypeBadInput, want: []string{"concurrency 1025, want 1..1024"}},
+		{name: "409", servers: []pipelines.Server{{URL: conflict}}, typ: pipelines.ErrTypeServerError, want: []string{"HTTP 409: busy"}},
+		{name: "bad n", servers: servers(ok), in: GenerateInput{N: -1}, typ: pipelines.ErrTypeBadInput, want: []string{"generate: n: -1 is out of range 1..1024"}},
+		{name: "bad concurrency", servers: servers(ok), in: GenerateInput{Concurrency: pipelines.MaxConcurrency + 1}, typ: pipelines.ErrTypeBadInput, want: []string{"generate: concurrency: 1025 is out of range 1..1024"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -216,11 +216,11 @@ func TestGenerateOutputNotWritable(t *testing.T) {
 	sc := stepContext(t, "g", d)
 	writeLines(t, sc.BaseDir, "file.txt", "x")
 	_, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(1)...), Output: "file.txt/out.jsonl"})
-	assert.Equal(t, ErrTypeIO, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeIO, errType(t, err))
 	assert.ErrorContains(t, err, "generate: creating the output dir")
 
 	a := New(Deps{})
 	_, err = a.Generate(context.Background(), GenerateInput{Context: sc, Prompts: "p.jsonl"})
-	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 	assert.ErrorContains(t, err, "no output path: set with.output, or give the worker a data dir")
 }

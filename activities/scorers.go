@@ -18,14 +18,8 @@ import (
 	"github.com/rlflow/rlflow/vllm"
 )
 
-// Scorer defaults.
-const (
-	defaultScorerConcurrency = 16
-	defaultScorerTimeout     = 30 * time.Second
-	defaultJudgeScale        = 10
-	defaultJudgeMaxTokens    = 16
-	maxScorerResponse        = 1 << 20
-)
+// maxScorerResponse bounds an http scorer's answer.
+const maxScorerResponse = 1 << 20
 
 // scoreFunc scores one sample, setting r.Score (and r.Unparsed).
 type scoreFunc func(ctx context.Context, p *prompt, r *Rollout) error
@@ -155,16 +149,10 @@ func (s semaphore) acquire(ctx context.Context) error {
 
 func (s semaphore) release() { <-s }
 
+// scorerLimits are an http or judge scorer's bounds (ParseScorer filled
+// in their defaults).
 func scorerLimits(s pipelines.Scorer) (semaphore, time.Duration) {
-	conc := s.Concurrency
-	if conc <= 0 {
-		conc = defaultScorerConcurrency
-	}
-	timeout := s.Timeout.D()
-	if timeout <= 0 {
-		timeout = defaultScorerTimeout
-	}
-	return make(semaphore, conc), timeout
+	return make(semaphore, s.Concurrency), s.Timeout.D()
 }
 
 // httpScorer POSTs {prompt, completion, answer, id} to the URL and reads
@@ -180,7 +168,7 @@ func (a *Activities) httpScorer(ctx context.Context, s pipelines.Scorer) (scoreF
 	return func(ctx context.Context, p *prompt, r *Rollout) error {
 		body, err := json.Marshal(map[string]any{"prompt": p.promptText(), "completion": r.Text, "answer": p.answer, "id": p.id})
 		if err != nil {
-			return stepError(ctx, ErrTypeBadInput, err, "evaluate: http scorer: encoding sample %s#%d", p.id, r.Sample)
+			return stepError(ctx, pipelines.ErrTypeBadInput, err, "evaluate: http scorer: encoding sample %s#%d", p.id, r.Sample)
 		}
 		if err := sem.acquire(ctx); err != nil {
 			return err
@@ -197,9 +185,9 @@ func (a *Activities) httpScorer(ctx context.Context, s pipelines.Scorer) (scoreF
 				return ctx.Err()
 			}
 			if final(status, err) || try == transientRetries {
-				typ := ErrTypeServerError
+				typ := pipelines.ErrTypeServerError
 				if final(status, err) {
-					typ = ErrTypeServerRejected
+					typ = pipelines.ErrTypeServerRejected
 				}
 				return stepError(ctx, typ, err, "evaluate: http scorer %s: prompt %s sample %d", s.URL, p.id, r.Sample)
 			}
@@ -285,18 +273,7 @@ func (a *Activities) judgeScorer(ctx context.Context, g *genRun, s pipelines.Sco
 			models[i] = ms[0]
 		}
 	}
-	rubric := s.Rubric
-	if rubric == "" {
-		rubric = pipelines.DefaultJudgeRubric
-	}
-	scale := s.Scale
-	if scale <= 0 {
-		scale = defaultJudgeScale
-	}
-	maxTokens := s.MaxTokens
-	if maxTokens <= 0 {
-		maxTokens = defaultJudgeMaxTokens
-	}
+	rubric, scale, maxTokens := s.Rubric, s.Scale, s.MaxTokens
 	var next atomic.Uint64
 	var zero float32
 	return func(ctx context.Context, p *prompt, r *Rollout) error {
@@ -311,7 +288,7 @@ func (a *Activities) judgeScorer(ctx context.Context, g *genRun, s pipelines.Sco
 		for try := 0; ; try++ {
 			res, err = judges[i].Chat(ctx, vllm.ChatRequest{Model: models[i], Messages: []vllm.Message{{Role: "user", Content: msg}},
 				MaxTokens: maxTokens, Temperature: &zero, N: 1})
-			if err == nil || ctx.Err() != nil || classify(err) == ErrTypeServerRejected || try == transientRetries {
+			if err == nil || ctx.Err() != nil || classify(err) == pipelines.ErrTypeServerRejected || try == transientRetries {
 				break
 			}
 			t := time.NewTimer(retryBackoff << try)

@@ -2,9 +2,13 @@ package activities
 
 import (
 	"context"
+	"fmt"
+	"path/filepath"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/vllm"
+	"go.temporal.io/sdk/activity"
 )
 
 // InitTransferInput is the `with` of an init_transfer step.
@@ -19,8 +23,9 @@ type InitTransferInput struct {
 type InitTransferOutput struct {
 	WorldSize int    `json:"world_size"`
 	Backend   string `json:"backend"`
-	// Group names the transfer group (run id + server set + generation of
-	// the group on its worker), so a re-initialisation is visible.
+	// Group names the transfer group (run id + server set, and for nccl
+	// how many times it was initialised on its worker), so a
+	// re-initialisation is visible.
 	Group   string `json:"group"`
 	Attempt int    `json:"_attempt"`
 }
@@ -37,9 +42,10 @@ type BroadcastInput struct {
 
 // BroadcastOutput is a broadcast step's outputs.
 type BroadcastOutput struct {
-	Backend string  `json:"backend"`
-	Bytes   int64   `json:"bytes"`
-	Tensors int     `json:"tensors"`
+	Backend string `json:"backend"`
+	Bytes   int64  `json:"bytes"`
+	Tensors int    `json:"tensors"`
+	// Seconds is the update itself, without an init it needed first.
 	Seconds float64 `json:"seconds"`
 	GBps    float64 `json:"gb_per_s"`
 	Version string  `json:"version"`
@@ -49,13 +55,127 @@ type BroadcastOutput struct {
 	Attempt     int  `json:"_attempt"`
 }
 
-// NCCLTransfer is the GPU worker's NCCL weight path (package gpu implements
-// it). It is nil on control workers, which never receive nccl transfer steps
-// because the interpreter routes them to a GPU worker.
-//
-// Implementations keep one transfer group per (run id, server set), reuse it
-// across iterations, and re-initialise it when it is missing or poisoned.
-type NCCLTransfer interface {
-	Init(ctx context.Context, in InitTransferInput, fleet vllm.Fleet) (*InitTransferOutput, error)
-	Broadcast(ctx context.Context, in BroadcastInput, fleet vllm.Fleet) (*BroadcastOutput, error)
+// InitTransfer initialises weight transfer with every server through the
+// pipeline's backend.
+func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*InitTransferOutput, error) {
+	const step = pipelines.StepInitTransfer
+	if err := resolveArgs(ctx, step, &in); err != nil {
+		return nil, err
+	}
+	backend, engine, target, err := a.transferPath(ctx, step, in.Context, vllm.Timeouts{Init: in.Timeout.D()})
+	if err != nil {
+		return nil, err
+	}
+	var progress transfer.Progress
+	defer a.reportTransfer(ctx, &progress)()
+	res, err := engine.Init(ctx, transfer.InitRequest{Target: target, MasterAddress: in.MasterAddress, MasterPort: in.MasterPort,
+		Timeout: in.Timeout.D(), Progress: &progress})
+	if err != nil {
+		return nil, transferError(ctx, step, err)
+	}
+	return &InitTransferOutput{WorldSize: res.WorldSize, Backend: backend, Group: res.Group, Attempt: attemptOf(ctx)}, nil
+}
+
+// Broadcast loads a checkpoint into every server through the pipeline's
+// backend (initialising the transfer group first when it has none), then,
+// with verify, checks every server's weight version.
+func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*BroadcastOutput, error) {
+	const step = pipelines.StepBroadcast
+	if err := resolveArgs(ctx, step, &in); err != nil {
+		return nil, err
+	}
+	sc := in.Context
+	backend, engine, target, err := a.transferPath(ctx, step, sc, vllm.Timeouts{Update: in.UpdateTimeout.D()})
+	if err != nil {
+		return nil, err
+	}
+	ckpt, err := filepath.Abs(resolvePath(sc.BaseDir, in.Checkpoint))
+	if err != nil {
+		return nil, badInput(ctx, "%s: checkpoint %q: %v", step, in.Checkpoint, err)
+	}
+	version := in.Version
+	if version == "" {
+		version = defaultVersion(sc)
+	}
+	var progress transfer.Progress
+	stop := a.reportTransfer(ctx, &progress)
+	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
+		Timeout: in.UpdateTimeout.D(), InitTimeout: pipelines.DefaultInitTimeout, Progress: &progress})
+	stop()
+	if err != nil {
+		return nil, transferError(ctx, step, err)
+	}
+	if in.Verify {
+		if err := verifyVersion(ctx, target.Fleet, version); err != nil {
+			return nil, serverError(ctx, err, "%s: verify", step)
+		}
+	}
+	out := &BroadcastOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(),
+		Version: version, Initialized: res.Initialized, Attempt: attemptOf(ctx)}
+	if res.Elapsed > 0 {
+		out.GBps = float64(res.Bytes) / res.Elapsed.Seconds() / 1e9
+	}
+	return out, nil
+}
+
+// defaultVersion is broadcast's version when the step sets none.
+func defaultVersion(sc pipelines.StepContext) string {
+	return fmt.Sprintf("%s/iter-%d", sc.RunID, sc.Iteration)
+}
+
+// transferPath is what both transfer steps start with: the pipeline's
+// backend, its engine on this worker, and the target (run, servers with
+// the step's timeouts, settings).
+func (a *Activities) transferPath(ctx context.Context, step string, sc pipelines.StepContext, t vllm.Timeouts) (string, transfer.Engine, transfer.Target, error) {
+	wt := sc.WeightTransfer
+	if wt == nil {
+		return "", nil, transfer.Target{}, badInput(ctx, "%s: the pipeline has no weight_transfer (add weight_transfer: {backend: nccl} or {backend: disk})", step)
+	}
+	var engine transfer.Engine
+	switch wt.Backend {
+	case pipelines.BackendDisk:
+		engine = a.disk
+	case pipelines.BackendNCCL:
+		if a.NCCL == nil {
+			return "", nil, transfer.Target{}, stepError(ctx, pipelines.ErrTypeNoGPUWorker, nil,
+				"%s: the nccl backend must run on a GPU worker (start one with `rlflow worker --gpu` on the trainer's host); this worker has no NCCL engine", step)
+		}
+		engine = a.NCCL
+	default:
+		return "", nil, transfer.Target{}, badInput(ctx, "%s: weight_transfer.backend %q, want %s or %s", step, wt.Backend, pipelines.BackendNCCL, pipelines.BackendDisk)
+	}
+	f, err := a.fleet(ctx, step, sc, t)
+	if err != nil {
+		return "", nil, transfer.Target{}, err
+	}
+	target := transfer.Target{RunID: sc.RunID, Fleet: f, Settings: *wt, Pins: make([]vllm.Generation, len(f))}
+	for i, c := range f {
+		target.Pins[i] = c.Generation() // the pin: nothing was probed yet
+	}
+	return wt.Backend, engine, target, nil
+}
+
+// reportTransfer heartbeats the engine's progress until stop.
+func (a *Activities) reportTransfer(ctx context.Context, p *transfer.Progress) (stop func()) {
+	return a.heartbeatLoop(ctx, func() { activity.RecordHeartbeat(ctx, p.Report()) })
+}
+
+// verifyVersion checks that every server with weight versions (API
+// generations C and D) reports version after an update; the others have
+// nothing to report.
+func verifyVersion(ctx context.Context, f vllm.Fleet, version string) error {
+	return f.Each("verify weight version", func(_ int, c *vllm.Client) error {
+		gen, err := c.DetectGeneration(ctx)
+		if err != nil {
+			return err
+		}
+		if !gen.HasSessions() {
+			return nil
+		}
+		got, err := c.WeightInfo(ctx)
+		if err == nil && got != version {
+			err = fmt.Errorf("vllm %s: GET /weight_info: weight version %q after the update, want %q", c.URL(), got, version)
+		}
+		return err
+	})
 }

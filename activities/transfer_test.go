@@ -6,11 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
@@ -18,7 +20,7 @@ import (
 
 func diskContext(t *testing.T, ds ...*testDouble) pipelines.StepContext {
 	sc := stepContext(t, "sync", ds...)
-	sc.WeightTransfer = &pipelines.WeightTransfer{Backend: BackendDisk}
+	sc.WeightTransfer = &pipelines.WeightTransfer{Backend: pipelines.BackendDisk}
 	return sc
 }
 
@@ -43,7 +45,7 @@ func TestBroadcastDisk(t *testing.T) {
 
 	out, err := a.Broadcast(ctx, BroadcastInput{Context: sc, Checkpoint: "ckpt/iter-2", Verify: true})
 	require.NoError(t, err)
-	assert.Equal(t, BackendDisk, out.Backend)
+	assert.Equal(t, pipelines.BackendDisk, out.Backend)
 	assert.Equal(t, "run-1/iter-2", out.Version)
 	assert.Equal(t, 1, out.Tensors)
 	assert.Equal(t, int64(len(m.Bytes())), out.Bytes)
@@ -83,14 +85,14 @@ func TestBroadcastDiskBadCheckpoints(t *testing.T) {
 		{"not safetensors", BroadcastInput{Checkpoint: "weights.bin"}, "is neither a directory nor a .safetensors file"},
 		{"file among others", BroadcastInput{Checkpoint: "two/model.safetensors"}, "holds 2 *.safetensors files; give a directory holding one checkpoint"},
 		{"corrupt shard", BroadcastInput{Checkpoint: "two"}, "other.safetensors"},
-		{"no checkpoint", BroadcastInput{}, "broadcast: checkpoint is required"},
+		{"no checkpoint", BroadcastInput{}, "broadcast: checkpoint"},
 		{"dtype on disk", BroadcastInput{Checkpoint: "ok", DType: "bfloat16"}, `dtype "bfloat16" converts tensors on the nccl path only`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			c.in.Context = sc
 			_, err := newActivities(t).Broadcast(context.Background(), c.in)
-			assert.Equal(t, ErrTypeBadInput, errType(t, err))
+			assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 			assert.ErrorContains(t, err, c.want)
 		})
 	}
@@ -106,8 +108,9 @@ func TestBroadcastDiskFailures(t *testing.T) {
 	trainedCheckpoint(t, sc.BaseDir, "ckpt", "hello world ")
 
 	_, err := a.Broadcast(ctx, BroadcastInput{Context: sc, Checkpoint: "ckpt"})
-	assert.Equal(t, ErrTypeServerError, errType(t, err))
-	assert.ErrorContains(t, err, "update weights failed on 1 of 2 servers; vllm "+failing.URL+": POST /update_weights: HTTP 500: double: injected fault (Faults.ErrorRate) (update session closed)")
+	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
+	assert.ErrorContains(t, err, "(update sessions closed)")
+	assert.ErrorContains(t, err, "update weights failed on 1 of 2 servers; vllm "+failing.URL+": POST /update_weights: HTTP 500: double: injected fault (Faults.ErrorRate)")
 	assert.NotContains(t, err.Error(), "vllm "+good.URL+":")
 	assert.Equal(t, "run-1/iter-2", good.WeightVersion())
 	assert.Equal(t, "run-1/iter-2-failed", failing.WeightVersion(), "the session was closed, marked failed")
@@ -131,30 +134,32 @@ func TestBroadcastDiskFailures(t *testing.T) {
 	lsc := diskContext(t)
 	lsc.Servers = []pipelines.Server{{URL: liar}}
 	_, err = a.Broadcast(ctx, BroadcastInput{Context: lsc, Checkpoint: filepath.Join(sc.BaseDir, "ckpt"), Version: "v2", Verify: true})
-	assert.Equal(t, ErrTypeServerError, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
 	assert.ErrorContains(t, err, `GET /weight_info: weight version "old" after the update, want "v2"`)
 
 	// Generation B has no disk backend: final, refused before sending.
 	b := newDouble(t, double.Config{DevMode: true, Generation: double.GenB})
 	_, err = a.Broadcast(ctx, BroadcastInput{Context: diskContext(t, b), Checkpoint: filepath.Join(sc.BaseDir, "ckpt")})
-	assert.Equal(t, ErrTypeServerRejected, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeServerRejected, errType(t, err))
 	assert.ErrorContains(t, err, "generation B has no disk backend")
 }
 
-// fakeNCCL records what the GPU path was handed.
-type fakeNCCL struct {
-	fleet vllm.Fleet
-	err   error
+// fakeEngine is a test double of the NCCL engine: it records what the
+// activities handed it and fails with err.
+type fakeEngine struct {
+	target transfer.Target
+	update transfer.UpdateRequest
+	err    error
 }
 
-func (f *fakeNCCL) Init(_ context.Context, in InitTransferInput, fl vllm.Fleet) (*InitTransferOutput, error) {
-	f.fleet = fl
-	return &InitTransferOutput{WorldSize: 3, Backend: BackendNCCL, Group: "g", Attempt: 1}, f.err
+func (f *fakeEngine) Init(_ context.Context, req transfer.InitRequest) (transfer.InitResult, error) {
+	f.target = req.Target
+	return transfer.InitResult{WorldSize: 3, Group: "g"}, f.err
 }
 
-func (f *fakeNCCL) Broadcast(_ context.Context, in BroadcastInput, fl vllm.Fleet) (*BroadcastOutput, error) {
-	f.fleet = fl
-	return &BroadcastOutput{Backend: BackendNCCL, Version: in.Version}, f.err
+func (f *fakeEngine) Update(_ context.Context, req transfer.UpdateRequest) (transfer.UpdateResult, error) {
+	f.target, f.update = req.Target, req
+	return transfer.UpdateResult{Bytes: 10, Tensors: 1, Elapsed: time.Second}, f.err
 }
 
 func TestTransferDispatch(t *testing.T) {
@@ -162,38 +167,62 @@ func TestTransferDispatch(t *testing.T) {
 	d1 := newDouble(t, double.Config{DevMode: true, Backend: double.BackendNCCL})
 	d2 := newDouble(t, double.Config{DevMode: true, Backend: double.BackendNCCL})
 	nccl := diskContext(t, d1, d2)
-	nccl.WeightTransfer = &pipelines.WeightTransfer{Backend: BackendNCCL}
+	nccl.WeightTransfer = &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL}
 
 	a := newActivities(t)
 	_, err := a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
-	assert.Equal(t, ErrTypeNoGPUWorker, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeNoGPUWorker, errType(t, err))
 	assert.ErrorContains(t, err, "rlflow worker --gpu")
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: nccl})
-	assert.Equal(t, ErrTypeNoGPUWorker, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeNoGPUWorker, errType(t, err))
 
-	fake := &fakeNCCL{}
+	fake := &fakeEngine{}
 	a.NCCL = fake
 	out, err := a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x", Version: "v"})
 	require.NoError(t, err)
-	assert.Equal(t, "v", out.Version)
-	require.Len(t, fake.fleet, 2)
-	assert.Equal(t, d2.URL, fake.fleet[1].URL())
+	assert.Equal(t, BroadcastOutput{Backend: pipelines.BackendNCCL, Bytes: 10, Tensors: 1, Seconds: 1, GBps: 1e-8, Version: "v", Attempt: 1}, *out)
+	require.Len(t, fake.target.Fleet, 2)
+	assert.Equal(t, d2.URL, fake.target.Fleet[1].URL())
+	// One path for both backends: the checkpoint is resolved against the
+	// base dir, and the registry's defaults are filled in, before the
+	// engine sees the request.
+	assert.Equal(t, filepath.Join(nccl.BaseDir, "x"), fake.update.Checkpoint)
+	assert.Equal(t, "keep", fake.update.DType)
+	assert.Equal(t, pipelines.DefaultInitTimeout, fake.update.InitTimeout)
+	_, err = a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
+	require.NoError(t, err)
+	assert.Equal(t, "run-1/iter-2", fake.update.Version, "the default version")
 	init, err := a.InitTransfer(ctx, InitTransferInput{Context: nccl})
 	require.NoError(t, err)
 	assert.Equal(t, 3, init.WorldSize)
-	fake.err = errors.New("nccl: broadcast 3 of 9 timed out")
-	_, err = a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
-	assert.Equal(t, ErrTypeServerError, errType(t, err))
-	assert.ErrorContains(t, err, "broadcast (type: ServerError, retryable: true): nccl: broadcast 3 of 9 timed out")
+	// The engine's typed errors become the step's error types, the cause
+	// printed once.
+	for _, c := range []struct {
+		err  error
+		typ  string
+		want string
+	}{
+		{transfer.Errorf(transfer.NCCLFailed, errors.New("ncclRemoteError"), "broadcast 3 of 9"), pipelines.ErrTypeNCCL,
+			"broadcast: broadcast 3 of 9 (type: NCCLError, retryable: true): ncclRemoteError"},
+		{transfer.BadInputf("dtype %q, want keep", "fp4"), pipelines.ErrTypeBadInput, `broadcast: dtype "fp4", want keep (type: BadInput, retryable: false)`},
+		{transfer.Errorf(transfer.DeviceLost, errors.New("cudaErrorDevicesUnavailable"), "open device 0"), pipelines.ErrTypeGPUWorkerLost,
+			"broadcast: open device 0 (type: GPUWorkerLost, retryable: true): cudaErrorDevicesUnavailable"},
+		{errors.New("nccl: broadcast 3 of 9 timed out"), pipelines.ErrTypeServerError, "broadcast (type: ServerError, retryable: true): nccl: broadcast 3 of 9 timed out"},
+	} {
+		fake.err = c.err
+		_, err = a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
+		assert.Equal(t, c.typ, errType(t, err))
+		assert.ErrorContains(t, err, c.want)
+	}
 
 	noWT := nccl
 	noWT.WeightTransfer = nil
 	_, err = a.Broadcast(ctx, BroadcastInput{Context: noWT, Checkpoint: "x"})
-	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 	assert.ErrorContains(t, err, "broadcast: the pipeline has no weight_transfer")
 	noWT.WeightTransfer = &pipelines.WeightTransfer{Backend: "rdma"}
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: noWT})
-	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 	assert.ErrorContains(t, err, `weight_transfer.backend "rdma", want nccl or disk`)
 }
 
@@ -206,8 +235,8 @@ func TestInitTransferDisk(t *testing.T) {
 	out, err := a.InitTransfer(ctx, InitTransferInput{Context: sc})
 	require.NoError(t, err)
 	assert.Equal(t, 1+2+1, out.WorldSize)
-	assert.Equal(t, BackendDisk, out.Backend)
-	assert.Regexp(t, `^disk/run-1/[0-9a-f]{8}$`, out.Group)
+	assert.Equal(t, pipelines.BackendDisk, out.Backend)
+	assert.Equal(t, "run-1@"+d1.URL+","+d2.URL, out.Group)
 	for _, d := range []*testDouble{d1, d2} {
 		assert.Equal(t, 1, d.Stats().Requests["POST /init_weight_transfer_engine"])
 	}
@@ -218,10 +247,10 @@ func TestInitTransferDisk(t *testing.T) {
 	assert.False(t, b.Initialized)
 
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: sc, MasterPort: 29500})
-	assert.Equal(t, ErrTypeBadInput, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
 
 	failing := newDouble(t, double.Config{DevMode: true, Faults: double.Faults{ErrorRate: map[string]float64{"/init_weight_transfer_engine": 1}}})
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: diskContext(t, d1, failing)})
-	assert.Equal(t, ErrTypeServerError, errType(t, err))
+	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
 	assert.ErrorContains(t, err, "init weight transfer failed on 1 of 2 servers; vllm "+failing.URL+": POST /init_weight_transfer_engine: HTTP 500")
 }

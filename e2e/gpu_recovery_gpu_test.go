@@ -178,26 +178,6 @@ func rlflowBin(t *testing.T) string {
 	return abs
 }
 
-// receiverScriptPath finds tests/gpu/receiver.py from the working
-// directory (the test runs in e2e/ or the repository root) or the source
-// tree the test was built from.
-func receiverScriptPath(t *testing.T) string {
-	t.Helper()
-	for _, d := range []string{os.Getenv("RLFLOW_GPU_SCRIPTS"), "../tests/gpu", "tests/gpu", filepath.Join(testutil.ModuleRoot(), "tests", "gpu")} {
-		if d == "" {
-			continue
-		}
-		p := filepath.Join(d, "receiver.py")
-		if _, err := os.Stat(p); err == nil {
-			abs, err := filepath.Abs(p)
-			require.NoError(t, err)
-			return abs
-		}
-	}
-	t.Fatal("cannot find tests/gpu/receiver.py: run from the repository root or e2e/, or set RLFLOW_GPU_SCRIPTS to the tests/gpu directory")
-	return ""
-}
-
 func gpuLogsDir(t *testing.T) string {
 	t.Helper()
 	abs, err := filepath.Abs(gputest.LogDir(t, ""))
@@ -443,7 +423,7 @@ func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 func TestGPUHostWorkerSIGKILLDuringBroadcast(t *testing.T) {
 	// What can be checked without a GPU runs first, so that a broken
 	// pipeline or a missing receiver shows on a CPU machine too.
-	script := receiverScriptPath(t)
+	script := gputest.Script(t, "receiver.py")
 	port := testutil.FreePort(t)
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	dir := t.TempDir()

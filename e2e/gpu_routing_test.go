@@ -48,11 +48,11 @@ func startSimGPUWorker(t *testing.T, address, name string, hold time.Duration) *
 	c, err := runs.Connect(context.Background(), address, "default")
 	require.NoError(t, err)
 	g := &simGPUWorker{
-		name: name, queue: fmt.Sprintf("%s/%s/%d", workflows.DefaultGPUTaskQueue, name, time.Now().UnixNano()),
+		name: name, queue: fmt.Sprintf("%s/%s/%d", pipelines.DefaultGPUTaskQueue, name, time.Now().UnixNano()),
 		c: c, hang: make(chan struct{}), started: make(chan struct{}, 8),
 	}
 	opts := sdkworker.Options{WorkerStopTimeout: 200 * time.Millisecond}
-	shared := sdkworker.New(c, workflows.DefaultGPUTaskQueue, opts)
+	shared := sdkworker.New(c, pipelines.DefaultGPUTaskQueue, opts)
 	shared.RegisterActivityWithOptions(func(ctx context.Context, in workflows.GPUAcquireInput) (workflows.GPUHost, error) {
 		g.acquires.Add(1)
 		return workflows.GPUHost{TaskQueue: g.queue, Host: g.name}, nil
@@ -142,7 +142,7 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	retry := &pipelines.RetryPolicy{MaxAttempts: 3, InitialInterval: pipelines.Duration(100 * time.Millisecond)}
 	spec := &pipelines.Pipeline{
 		Version: 1, Name: "gpu-routing", Loop: pipelines.Loop{Iterations: 2},
-		WeightTransfer: &pipelines.WeightTransfer{Backend: "nccl", GPUStartTimeout: pipelines.Duration(time.Second)},
+		WeightTransfer: &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL, GPUStartTimeout: pipelines.Duration(time.Second)},
 		Defaults:       pipelines.StepDefaults{Timeout: pipelines.Duration(time.Minute), Heartbeat: pipelines.Duration(time.Second), Retry: retry},
 		Steps: []pipelines.Step{
 			{ID: "gate", Uses: "gate"},

@@ -1,12 +1,15 @@
 // Package worker wires rlflow's workflows and activities into Temporal
-// workers. The control worker (any host) runs the interpreter and every
-// control activity; GPU steps go to a host-specific task queue.
+// workers: the control worker (any host), which runs the interpreter and
+// every activity but the NCCL transfer, and the registration tables the GPU
+// worker (worker/gpuworker) shares.
 //
-// Invariant: activity registration names equal the step type names in the
-// pipelines registry, so `uses: exec` reaches Activities.Exec.
+// Invariants: activity registration names equal the step type names in the
+// pipelines registry, so `uses: exec` reaches Activities.Exec; nothing the
+// control worker runs depends on NCCL.
 package worker
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 
@@ -46,9 +49,21 @@ func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activ
 	r.RegisterActivityWithOptions(a.WorldSize, activity.RegisterOptions{Name: pipelines.StepWorldSize})
 	// The disk backend's transfer steps run here; nccl ones are routed to a
 	// GPU worker, and reaching this one fails them with NoGPUWorker.
-	r.RegisterActivityWithOptions(a.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
-	r.RegisterActivityWithOptions(a.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
+	RegisterTransferActivities(r, a)
 	r.RegisterActivityWithOptions(a.LoadPipeline, activity.RegisterOptions{Name: workflows.LoadPipelineActivity})
+}
+
+// TransferSteps are the init_transfer and broadcast activities.
+type TransferSteps interface {
+	InitTransfer(ctx context.Context, in activities.InitTransferInput) (*activities.InitTransferOutput, error)
+	Broadcast(ctx context.Context, in activities.BroadcastInput) (*activities.BroadcastOutput, error)
+}
+
+// RegisterTransferActivities registers the transfer steps under their step
+// type names.
+func RegisterTransferActivities(r sdkworker.ActivityRegistry, s TransferSteps) {
+	r.RegisterActivityWithOptions(s.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
+	r.RegisterActivityWithOptions(s.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
 }
 
 // NewControl builds (but does not start) a control worker.

@@ -33,7 +33,7 @@ type gpuRouting struct {
 // routesGPU reports whether the pipeline's transfer steps need a GPU
 // worker: nccl backend and at least one GPU step.
 func routesGPU(p *pipelines.Pipeline) bool {
-	if p.WeightTransfer == nil || p.WeightTransfer.Backend != "nccl" {
+	if p.WeightTransfer == nil || p.WeightTransfer.Backend != pipelines.BackendNCCL {
 		return false
 	}
 	for _, s := range p.Steps {
@@ -57,10 +57,10 @@ func newGPURouting(ctx workflow.Context, in IterationInput) *gpuRouting {
 	wt := in.Spec.WeightTransfer
 	g := &gpuRouting{queue: wt.GPUTaskQueue, startTimeout: wt.GPUStartTimeout.D()}
 	if g.queue == "" {
-		g.queue = DefaultGPUTaskQueue
+		g.queue = pipelines.DefaultGPUTaskQueue
 	}
 	if g.startTimeout == 0 {
-		g.startTimeout = DefaultGPUStartTimeout
+		g.startTimeout = pipelines.DefaultGPUStartTimeout
 	}
 	if in.GPUHost != nil && in.GPUHost.TaskQueue != "" {
 		h := *in.GPUHost
@@ -208,7 +208,7 @@ func (it *interpreter) acquireOnce(ctx workflow.Context) (GPUHost, error) {
 		switch {
 		case err == nil && h.TaskQueue == "":
 			return GPUHost{}, temporal.NewNonRetryableApplicationError(
-				fmt.Sprintf("%s on task queue %s answered without a task queue (host %q)", AcquireGPUActivity, g.queue, h.Host), ErrTypeGPUUnavailable, nil)
+				fmt.Sprintf("%s on task queue %s answered without a task queue (host %q)", AcquireGPUActivity, g.queue, h.Host), pipelines.ErrTypeGPUUnavailable, nil)
 		case err == nil:
 			workflow.GetLogger(ctx).Info("GPU worker acquired", "host", h.Host, "device", h.Device, "task_queue", h.TaskQueue)
 			return h, nil
@@ -218,12 +218,12 @@ func (it *interpreter) acquireOnce(ctx workflow.Context) (GPUHost, error) {
 			workflow.GetLogger(ctx).Warn("no GPU worker is polling; still waiting", "task_queue", g.queue, "waited", time.Duration(i)*GPUAcquireWait)
 		default:
 			return GPUHost{}, temporal.NewNonRetryableApplicationError(
-				fmt.Sprintf("acquiring a GPU worker on task queue %s: %v", g.queue, activityCause(err)), ErrTypeGPUUnavailable, nil)
+				fmt.Sprintf("acquiring a GPU worker on task queue %s: %v", g.queue, activityCause(err)), pipelines.ErrTypeGPUUnavailable, nil)
 		}
 	}
 	return GPUHost{}, temporal.NewNonRetryableApplicationError(
 		fmt.Sprintf("no GPU worker polled task queue %s within %s: start one (rlflow worker --gpu)", g.queue, GPUAcquireAttempts*GPUAcquireWait),
-		ErrTypeGPUUnavailable, nil)
+		pipelines.ErrTypeGPUUnavailable, nil)
 }
 
 // loseGPU forgets host unless another step already replaced it.
@@ -248,7 +248,7 @@ func gpuWorkerLost(err error) (bool, string) {
 		return true, "heartbeat timeout"
 	}
 	var app *temporal.ApplicationError
-	if errors.As(err, &app) && app.Type() == ErrTypeGPUWorkerLost {
+	if errors.As(err, &app) && app.Type() == pipelines.ErrTypeGPUWorkerLost {
 		return true, "the activity reported it" // its message follows in the error
 	}
 	return false, ""

@@ -123,7 +123,7 @@ func ncclSpec() *pipelines.Pipeline {
 			With: map[string]any{"checkpoint": "/ckpt/iter-${{ loop.iteration }}"}},
 		resume,
 	)
-	p.WeightTransfer = &pipelines.WeightTransfer{Backend: "nccl"}
+	p.WeightTransfer = &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL}
 	return p
 }
 
@@ -142,7 +142,7 @@ func TestGPUStepsRunOnTheAcquiredQueue(t *testing.T) {
 		override  string
 		wantQueue string
 	}{
-		{"default GPU queue", "", DefaultGPUTaskQueue},
+		{"default GPU queue", "", pipelines.DefaultGPUTaskQueue},
 		{"pipeline override", "trainer-a-gpu", "trainer-a-gpu"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -174,7 +174,7 @@ func TestGPUActivityOptions(t *testing.T) {
 	assert.Equal(t, "sync/attempt-2", o.ActivityID)
 	assert.Equal(t, int32(1), o.RetryPolicy.MaximumAttempts, "the interpreter retries, possibly elsewhere")
 	assert.Equal(t, DefaultGPUHeartbeat, o.HeartbeatTimeout, "a worker dying mid-step is noticed")
-	assert.Equal(t, DefaultStepTimeout, o.StartToCloseTimeout)
+	assert.Equal(t, pipelines.DefaultStepTimeout, o.StartToCloseTimeout)
 	assert.Equal(t, int32(4), base.RetryPolicy.MaximumAttempts, "the base options are not modified")
 
 	base.HeartbeatTimeout = 5 * time.Second
@@ -196,7 +196,7 @@ func TestGPUStartTimeoutFromPipeline(t *testing.T) {
 	require.NoError(t, env.GetWorkflowError())
 	require.NotNil(t, got)
 	assert.Equal(t, 90*time.Second, got.startTimeout)
-	assert.Equal(t, DefaultGPUTaskQueue, got.queue)
+	assert.Equal(t, pipelines.DefaultGPUTaskQueue, got.queue)
 	assert.Equal(t, &hostB, got.host, "a host from the input is used, not re-acquired")
 }
 
@@ -236,7 +236,7 @@ func TestGPUWorkerLostMovesToAnotherWorker(t *testing.T) {
 	}{
 		{"nobody polls the host queue", temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_SCHEDULE_TO_START, nil)},
 		{"heartbeat timeout", temporal.NewHeartbeatTimeoutError()},
-		{"activity reports its worker lost", temporal.NewApplicationError("communicator aborted: device lost", ErrTypeGPUWorkerLost)},
+		{"activity reports its worker lost", temporal.NewApplicationError("communicator aborted: device lost", pipelines.ErrTypeGPUWorkerLost)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f, g := newFake(), newFakeGPU(hostA, hostB)
@@ -283,7 +283,7 @@ func TestGPUStepErrorsThatAreNotALoss(t *testing.T) {
 		wantErr   string
 		wantCalls int
 	}{
-		{"bad input fails at once", []error{temporal.NewNonRetryableApplicationError("checkpoint missing", "BadInput", nil)}, "checkpoint missing", 1},
+		{"bad input fails at once", []error{temporal.NewNonRetryableApplicationError("checkpoint missing", pipelines.ErrTypeBadInput, nil)}, "checkpoint missing", 1},
 		{"policy non-retryable type", []error{temporal.NewApplicationError("nope", "Fatal")}, "nope", 1},
 		{"retryable error retries on the same worker", []error{temporal.NewApplicationError("store hiccup", "IOError")}, "", 2},
 		{"start-to-close timeout retries on the same worker", []error{temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_START_TO_CLOSE, nil)}, "", 2},
@@ -365,7 +365,7 @@ func TestGPUAcquireWaitsForAWorker(t *testing.T) {
 	})
 	t.Run("acquire itself fails", func(t *testing.T) {
 		g := newFakeGPU(hostA)
-		g.acqErrs = []error{temporal.NewNonRetryableApplicationError("nvml: no devices", "BadInput", nil)}
+		g.acqErrs = []error{temporal.NewNonRetryableApplicationError("nvml: no devices", pipelines.ErrTypeBadInput, nil)}
 		env := newGPUEnv(t, newFake(), g)
 		_, err := runIteration(t, env, ncclSpec())
 		require.Error(t, err)
@@ -461,7 +461,7 @@ func TestCancelWhileWaitingForAGPUWorker(t *testing.T) {
 
 func TestGPUWorkerLostErrorNamesTheCause(t *testing.T) {
 	g := newFakeGPU(hostA, hostB)
-	g.errs["sync"] = []error{temporal.NewApplicationError("communicator aborted: device lost", ErrTypeGPUWorkerLost)}
+	g.errs["sync"] = []error{temporal.NewApplicationError("communicator aborted: device lost", pipelines.ErrTypeGPUWorkerLost)}
 	p := ncclSpec()
 	p.Steps[2].Retry.MaxAttempts = 1
 	env := newGPUEnv(t, newFake(), g)

@@ -5,18 +5,10 @@ import (
 	"fmt"
 	"sort"
 	"strings"
-	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
-)
-
-// Defaults for steps that set nothing, chosen so a forgotten timeout cannot
-// wedge a run forever yet a long trainer step is not killed early.
-const (
-	DefaultStepTimeout = 2 * time.Hour
-	DefaultMaxAttempts = 3
 )
 
 // stepRun is the interpreter's state for one step.
@@ -37,11 +29,11 @@ type stepRun struct {
 // `always` steps, and ends the workflow cancelled.
 func Iteration(ctx workflow.Context, in IterationInput) (*IterationResult, error) {
 	if in.Spec == nil {
-		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", "BadInput", nil)
+		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", pipelines.ErrTypeBadInput, nil)
 	}
 	servers, err := in.Spec.ServersFor(in.Params)
 	if err != nil {
-		return nil, temporal.NewNonRetryableApplicationError(err.Error(), "BadInput", nil)
+		return nil, temporal.NewNonRetryableApplicationError(err.Error(), pipelines.ErrTypeBadInput, nil)
 	}
 	it := &interpreter{in: in, paused: in.Paused, servers: servers, gpu: newGPURouting(ctx, in)}
 	for i := range in.Spec.Steps {
@@ -274,7 +266,7 @@ func (it *interpreter) fail(r *stepRun, err error) {
 	if it.failed == nil {
 		it.failed = temporal.NewNonRetryableApplicationError(
 			fmt.Sprintf("iteration %d: step %s (%s) failed: %s", it.in.Iteration, r.step.ID, r.step.Uses, err.Error()),
-			"StepFailed", nil)
+			pipelines.ErrTypeStepFailed, nil)
 	}
 }
 
@@ -349,6 +341,7 @@ func splitMeta(out map[string]any) (map[string]any, int) {
 		attempt = int(v)
 	}
 	keys := make([]string, 0, len(out))
+	//workflowcheck:ignore
 	for k := range out {
 		keys = append(keys, k)
 	}
@@ -381,7 +374,7 @@ func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.Activity
 		timeout = p.Defaults.Timeout.D()
 	}
 	if timeout == 0 {
-		timeout = DefaultStepTimeout
+		timeout = pipelines.DefaultStepTimeout
 	}
 	heartbeat := s.Heartbeat.D()
 	if heartbeat == 0 {
@@ -395,7 +388,7 @@ func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.Activity
 	if retry == nil {
 		retry = p.Defaults.Retry
 	}
-	rp := &temporal.RetryPolicy{MaximumAttempts: DefaultMaxAttempts}
+	rp := &temporal.RetryPolicy{MaximumAttempts: pipelines.DefaultMaxAttempts}
 	if retry != nil {
 		rp = &temporal.RetryPolicy{
 			InitialInterval:        retry.InitialInterval.D(),

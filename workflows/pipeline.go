@@ -22,7 +22,7 @@ func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 	logger := workflow.GetLogger(ctx)
 	if in.Spec == nil {
 		if in.SpecPath == "" {
-			return nil, temporal.NewNonRetryableApplicationError("pipeline input needs spec or spec_path", "BadInput", nil)
+			return nil, temporal.NewNonRetryableApplicationError("pipeline input needs spec or spec_path", pipelines.ErrTypeBadInput, nil)
 		}
 		lctx := workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
 			StartToCloseTimeout: time.Minute,
@@ -36,12 +36,12 @@ func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 	spec := in.Spec
 	params, err := spec.ResolveParamValues(in.Params)
 	if err != nil {
-		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
+		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), pipelines.ErrTypeBadInput, nil)
 	}
 	in.Params = params
 	if _, err := spec.ServersFor(params); err != nil {
 		// Fail at launch, not in the first step that calls a server.
-		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), "BadInput", nil)
+		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), pipelines.ErrTypeBadInput, nil)
 	}
 
 	r := &pipelineRun{in: in, status: StatusRunning}
@@ -102,7 +102,7 @@ func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 			if err != nil {
 				r.status = StatusFailed
 				r.upsert(ctx)
-				return nil, temporal.NewNonRetryableApplicationError(fmt.Sprintf("iteration %d: loop.until: %v", iter, err), "BadInput", nil)
+				return nil, temporal.NewNonRetryableApplicationError(fmt.Sprintf("iteration %d: loop.until: %v", iter, err), pipelines.ErrTypeBadInput, nil)
 			}
 			if done {
 				stoppedBy = "until"
@@ -144,6 +144,8 @@ func (r *pipelineRun) record(sum IterationSummary) {
 // untilEnv exposes the finished iteration's steps to loop.until.
 func (r *pipelineRun) untilEnv(sum IterationSummary) pipelines.Env {
 	steps := map[string]pipelines.StepState{}
+	// Map to map: the order of the loop never shows.
+	//workflowcheck:ignore
 	for id, outs := range sum.Outputs {
 		steps[id] = pipelines.StepState{Status: StatusSucceeded, Outputs: outs}
 	}
@@ -235,7 +237,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 				if temporal.IsCanceledError(cause) {
 					return sum, cause
 				}
-				return sum, temporal.NewNonRetryableApplicationError(cause.Error(), "IterationFailed", nil)
+				return sum, temporal.NewNonRetryableApplicationError(cause.Error(), pipelines.ErrTypeIterationFailed, nil)
 			}
 		}
 	}

@@ -162,29 +162,20 @@ type Progress struct {
 
 // GPU routing. With weight_transfer.backend nccl, init_transfer and
 // broadcast must reach the one process that owns the NCCL communicator.
-// GPU workers poll the shared GPU task queue for AcquireGPUActivity, which
+// GPU workers poll the shared GPU task queue (weight_transfer.gpu_task_queue,
+// default pipelines.DefaultGPUTaskQueue) for AcquireGPUActivity, which
 // answers with the worker's own host-specific task queue; the interpreter
 // then sends the transfer steps there, and acquires again (on a live GPU
-// worker) when that queue stops answering.
-const (
-	AcquireGPUActivity  = "gpu_acquire"
-	DefaultGPUTaskQueue = "rlflow-gpu"
-)
-
-// ErrTypeGPUWorkerLost is the ApplicationError type a GPU activity returns
-// when it finds that its worker can no longer serve the run (its device or
-// communicator is gone): the interpreter then treats the step as it treats
-// a ScheduleToStart or heartbeat timeout on the host queue, acquiring
-// another GPU worker and retrying there. ErrTypeGPUUnavailable fails a step
-// when no GPU worker could be acquired within the bounds below.
-const (
-	ErrTypeGPUWorkerLost  = "GPUWorkerLost"
-	ErrTypeGPUUnavailable = "GPUUnavailable"
-)
+// worker) when that queue stops answering or the step fails with
+// pipelines.ErrTypeGPUWorkerLost (its worker's GPU cannot serve the run).
+// A step fails with pipelines.ErrTypeGPUUnavailable when no GPU worker
+// could be acquired within the bounds below.
+const AcquireGPUActivity = "gpu_acquire"
 
 // GPU routing bounds.
 //
-// A GPU step waits DefaultGPUStartTimeout (weight_transfer.gpu_start_timeout)
+// A GPU step waits weight_transfer.gpu_start_timeout (default
+// pipelines.DefaultGPUStartTimeout)
 // on its worker's host queue: nobody polls a dead worker's queue, so the
 // ScheduleToStart timeout is how the interpreter notices the loss. A GPU
 // step that sets no heartbeat gets DefaultGPUHeartbeat, so a worker dying
@@ -195,13 +186,12 @@ const (
 // ScheduleToStart timeout, which Temporal never retries, so the
 // interpreter does) for up to GPUAcquireAttempts attempts: 15 minutes for
 // an operator to start or restart a GPU worker before the step fails
-// with ErrTypeGPUUnavailable. Waiting on a queue costs no resources, only
-// two history events per minute.
+// with pipelines.ErrTypeGPUUnavailable. Waiting on a queue costs no
+// resources, only two history events per minute.
 const (
-	DefaultGPUStartTimeout = 30 * time.Second
-	DefaultGPUHeartbeat    = 30 * time.Second
-	GPUAcquireWait         = time.Minute
-	GPUAcquireAttempts     = 15
+	DefaultGPUHeartbeat = 30 * time.Second
+	GPUAcquireWait      = time.Minute
+	GPUAcquireAttempts  = 15
 	// GPUAcquireRunTimeout bounds gpu_acquire once a worker picked it up: it
 	// only answers with its queue name.
 	GPUAcquireRunTimeout = 30 * time.Second

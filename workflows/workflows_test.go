@@ -88,7 +88,7 @@ func (f *fakeSteps) run(ctx context.Context, in map[string]any) (map[string]any,
 	if attempt <= b.failTimes {
 		end("failed")
 		return nil, temporal.NewApplicationErrorWithOptions("scripted failure", b.failType, temporal.ApplicationErrorOptions{
-			NonRetryable: b.failType == "BadInput",
+			NonRetryable: b.failType == pipelines.ErrTypeBadInput,
 			Details:      []any{pipelines.AttemptDetail{Attempt: attempt}},
 		})
 	}
@@ -186,7 +186,7 @@ func TestFailFastCancelsSiblingsAndRunsAlways(t *testing.T) {
 	f := newFake()
 	never := &barrier{}
 	never.wg.Add(2) // released by nobody: c runs until cancelled
-	f.script["b"] = &behaviour{failTimes: 9, failType: "BadInput"}
+	f.script["b"] = &behaviour{failTimes: 9, failType: pipelines.ErrTypeBadInput}
 	f.script["c"] = &behaviour{block: never}
 	cleanup := step("cleanup", "b", "c")
 	cleanup.Always = true
@@ -344,7 +344,7 @@ func decodeArg(can *workflow.ContinueAsNewError, out any) error {
 
 func TestPipelineFailureNamesStep(t *testing.T) {
 	f := newFake()
-	f.script["train"] = &behaviour{failTimes: 9, failType: "BadInput"}
+	f.script["train"] = &behaviour{failTimes: 9, failType: pipelines.ErrTypeBadInput}
 	env := newEnv(t, f)
 	env.ExecuteWorkflow(PipelineWorkflow, PipelineInput{Spec: spec(step("gen"), step("train", "gen"))})
 	err := env.GetWorkflowError()
@@ -423,8 +423,8 @@ func TestActivityOptionsFromYAML(t *testing.T) {
 	assert.Equal(t, int32(5), o.RetryPolicy.MaximumAttempts)
 	assert.Equal(t, 2.0, o.RetryPolicy.BackoffCoefficient)
 	o = activityOptions(&pipelines.Pipeline{}, &pipelines.Step{ID: "z"})
-	assert.Equal(t, DefaultStepTimeout, o.StartToCloseTimeout)
-	assert.Equal(t, int32(DefaultMaxAttempts), o.RetryPolicy.MaximumAttempts)
+	assert.Equal(t, pipelines.DefaultStepTimeout, o.StartToCloseTimeout)
+	assert.Equal(t, int32(pipelines.DefaultMaxAttempts), o.RetryPolicy.MaximumAttempts)
 }
 
 func defaultConverter() converter.DataConverter { return converter.GetDefaultDataConverter() }

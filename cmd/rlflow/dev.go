@@ -157,7 +157,7 @@ func devPipeline(args []string, example string, params []string, state string) (
 		return nil, nil, err
 	}
 	p.BaseDir = work
-	raw, err := parseParamFlags(params)
+	raw, err := pipelines.ParseParamFlags(params)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strings"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
@@ -15,24 +14,12 @@ import (
 	"golang.org/x/term"
 )
 
-func parseParamFlags(flags []string) (map[string]string, error) {
-	out := map[string]string{}
-	for _, f := range flags {
-		k, v, ok := strings.Cut(f, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("-p %q: want name=value", f)
-		}
-		out[k] = v
-	}
-	return out, nil
-}
-
 func loadWithParams(path string, flags []string) (*pipelines.Pipeline, map[string]any, error) {
 	p, err := pipelines.LoadFile(path)
 	if err != nil {
 		return nil, nil, err
 	}
-	raw, err := parseParamFlags(flags)
+	raw, err := pipelines.ParseParamFlags(flags)
 	if err != nil {
 		return nil, nil, err
 	}

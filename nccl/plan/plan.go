@@ -185,12 +185,6 @@ type PackedFields struct {
 	NumBuffers      int   `json:"packed_num_buffers"`
 }
 
-// Defaults of vLLM's packed transfer.
-const (
-	DefaultBufferSizeBytes = 1 << 30
-	DefaultNumBuffers      = 2
-)
-
 // NewUpdateInfo builds the metadata from the same list the broadcasts are
 // planned from, after Validate. Shapes are never null in JSON (a scalar is []).
 func NewUpdateInfo(tensors []Tensor) (UpdateInfo, error) {

@@ -291,7 +291,7 @@ func TestUpdateInfo(t *testing.T) {
 	if string(b) != `{"names":["model.w","scale"],"dtype_names":["bfloat16","float32"],"shapes":[[2,3],[]]}` {
 		t.Errorf("json = %s", b)
 	}
-	p, _ := json.Marshal(PackedFields{Packed: true, BufferSizeBytes: DefaultBufferSizeBytes, NumBuffers: DefaultNumBuffers})
+	p, _ := json.Marshal(PackedFields{Packed: true, BufferSizeBytes: 1 << 30, NumBuffers: 2})
 	if string(p) != `{"packed":true,"packed_buffer_size_bytes":1073741824,"packed_num_buffers":2}` {
 		t.Errorf("packed json = %s", p)
 	}

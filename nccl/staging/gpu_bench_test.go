@@ -479,7 +479,7 @@ func benchWorld(t *testing.T) int { return gputest.EnvIntAtLeast(t, "RLFLOW_GPU_
 // (rank 0 gets NCCL_HOSTID=rlflow-trainer-torch in single placement, rank
 // r rlflow-worker<r>); receivers get receiverExtra too.
 func torchRanks(t *testing.T, pl gputest.Placement, args []string, receiverExtra ...string) (trainer *proc, receivers []*proc) {
-	script := scriptPath(t, "bench_torch.py")
+	script := gputest.Script(t, "bench_torch.py")
 	for r := 0; r < pl.World; r++ {
 		a := append([]string{script}, args...)
 		a = append(a, "--world-size", strconv.Itoa(pl.World), "--rank", strconv.Itoa(r), "--device", strconv.Itoa(pl.Device(r)))
@@ -621,7 +621,7 @@ func TestGPUBenchRaw(t *testing.T) {
 func rawGo(t *testing.T, lib nccl.API, pl gputest.Placement, size, reps int) float64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	script := scriptPath(t, "receiver.py")
+	script := gputest.Script(t, "receiver.py")
 	comm, procs, err := rendezvousWith(ctx, t, lib, pl, func(rank, port int) []string {
 		return []string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--world-size", strconv.Itoa(pl.World),
 			"--rank", strconv.Itoa(rank), "--device", strconv.Itoa(pl.Device(rank)), "--raw-bytes", strconv.Itoa(size), "--repeat", strconv.Itoa(reps + 1)}

@@ -14,7 +14,7 @@ package staging
 //	RLFLOW_GPU_DIR     where the generated checkpoints live (default $TMPDIR/rlflow-gpu)
 //	RLFLOW_GPU_LAYERS  decoder layers of the big checkpoint (default 40: ~4.1 GiB bf16, 371 tensors)
 //	RLFLOW_GPU_LOGS    where process logs and figures.json go (default ./gpu-logs)
-//	RLFLOW_GPU_SCRIPTS directory of receiver.py and bench_torch.py (default: found from the cwd)
+//	RLFLOW_GPU_SCRIPTS directory of receiver.py and bench_torch.py (default: the repository's tests/gpu)
 //	RLFLOW_PYTHON      the Python with torch (default python3)
 //	RLFLOW_GPU_DEVICE  CUDA device for every rank in single placement (default 0)
 //	RLFLOW_GPU_PLACEMENT single|spread (default: spread where the GPUs are at least the ranks)
@@ -44,27 +44,6 @@ import (
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 )
-
-func scriptPath(t *testing.T, name string) string {
-	t.Helper()
-	dirs := []string{os.Getenv("RLFLOW_GPU_SCRIPTS"), "../../tests/gpu", "tests/gpu", "../tests/gpu"}
-	for _, d := range dirs {
-		if d == "" {
-			continue
-		}
-		if p := filepath.Join(d, name); fileExists(p) {
-			abs, _ := filepath.Abs(p)
-			return abs
-		}
-	}
-	t.Fatalf("cannot find %s (set RLFLOW_GPU_SCRIPTS to the tests/gpu directory)", name)
-	return ""
-}
-
-func fileExists(p string) bool {
-	_, err := os.Stat(p)
-	return err == nil
-}
 
 // ---- figures ----
 
@@ -415,7 +394,7 @@ func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, pl gputest.
 // receiverArgs is receiver.py's command line for rank: world pl.World, on
 // the rank's device.
 func receiverArgs(t *testing.T, pl gputest.Placement, meta string, extra ...string) func(rank, port int) []string {
-	script := scriptPath(t, "receiver.py")
+	script := gputest.Script(t, "receiver.py")
 	return func(rank, port int) []string {
 		return append([]string{script, "--host", "127.0.0.1", "--port", strconv.Itoa(port),
 			"--world-size", strconv.Itoa(pl.World), "--rank", strconv.Itoa(rank), "--device", strconv.Itoa(pl.Device(rank)),

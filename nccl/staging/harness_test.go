@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rlflow/rlflow/internal/testutil/gputest"
 )
 
 // The GPU tests' receiver plans the wire sequence on its own; on CPU, check
@@ -18,7 +20,7 @@ func TestReceiverPlansOurLayout(t *testing.T) {
 	if err != nil {
 		t.Skip("python3 not on PATH: this test runs the GPU tests' Python scripts (tests/gpu); .ci/run installs it")
 	}
-	script := scriptPath(t, "receiver.py")
+	script := gputest.Script(t, "receiver.py")
 	ck := writeCheckpoint(t, t.TempDir(), mixed)
 	for _, tc := range []struct {
 		packed    bool

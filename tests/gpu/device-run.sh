@@ -1,13 +1,13 @@
 #!/bin/bash
 # The issue-4 GPU checks in one device call (about 4-5 minutes on the H200 host),
 # from the repository root, after `make gpu-carry` here and with carry
-# [".carry/staging-gpu.test.xz", ".carry/gpu.test.xz", ".carry/e2e.test.xz",
+# [".carry/staging-gpu.test.xz", ".carry/ncclengine.test.xz", ".carry/e2e.test.xz",
 #  ".carry/rlflow.xz", ".carry/temporal.xz"]:
 #   1. benchmarks from one run (TestGPUBench: staging sweep against the pinned
 #      ceiling, end to end against torch, raw broadcast against torch.distributed);
 #   2. correctness (byte-exact W2/W3 packed and non-packed, F32->BF16, a peer
 #      that never joins, a killed receiver);
-#   3. gpu.Transfer against vLLM-like HTTP receivers;
+#   3. the NCCL engine (transfer/ncclengine) through the transfer activities against vLLM-like HTTP receivers;
 #   4. the GPU worker SIGKILLed mid-broadcast on a real dev server.
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
@@ -15,7 +15,7 @@
 # RAW_ROUNDS (RLFLOW_RAW_ROUNDS, default 3); QUIET_WAIT (seconds, default 0);
 # T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
 set -o pipefail
-for b in staging-gpu.test gpu.test e2e.test rlflow temporal; do
+for b in staging-gpu.test ncclengine.test e2e.test rlflow temporal; do
 	xz -dc .carry/$b.xz > /tmp/$b && chmod +x /tmp/$b || exit 2
 done
 # Both sides on the receiver's NCCL: ranks of different NCCL versions refuse
@@ -87,8 +87,8 @@ if [ -z "$ONLY_BENCH" ]; then
 	step correctness $?
 	grep -E "^(---|    ---)" "$OUT/gpu-correctness.log"
 
-	cd "$R/gpu" || exit 2
-	timeout "${T_TRANSFER:-80}" /tmp/gpu.test -test.v -test.timeout 10m -test.run TestGPUTransferToHTTPReceivers > "$OUT/gpu-transfer.log" 2>&1
+	cd "$R/transfer/ncclengine" || exit 2
+	timeout "${T_TRANSFER:-80}" /tmp/ncclengine.test -test.v -test.timeout 10m -test.run TestGPUTransferToHTTPReceivers > "$OUT/gpu-transfer.log" 2>&1
 	step transfer $?
 	grep -E "^(---|    ---)" "$OUT/gpu-transfer.log"
 

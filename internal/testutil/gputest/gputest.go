@@ -19,10 +19,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 )
@@ -334,4 +336,22 @@ func XorshiftFill(data []byte, seed uint64, index int) {
 	for j := len(data) &^ 7; j < len(data); j++ {
 		data[j] = byte(j) + byte(seed)
 	}
+}
+
+// Script is the absolute path of one of the GPU tests' Python scripts in
+// tests/gpu: $RLFLOW_GPU_SCRIPTS/name, else found in the repository
+// (testutil.ModuleRoot). The test fails when it is not there.
+func Script(t testing.TB, name string) string {
+	t.Helper()
+	if d := os.Getenv("RLFLOW_GPU_SCRIPTS"); d != "" {
+		p, err := filepath.Abs(filepath.Join(d, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(p); err != nil {
+			t.Fatalf("RLFLOW_GPU_SCRIPTS=%s: %v", d, err)
+		}
+		return p
+	}
+	return testutil.RepoFile(t, filepath.Join("tests", "gpu", name))
 }

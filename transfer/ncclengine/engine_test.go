@@ -1,4 +1,4 @@
-package gpu
+package ncclengine
 
 import (
 	"bytes"
@@ -14,16 +14,17 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/gpuhealth"
+	"github.com/rlflow/rlflow/gpuhealth/gpuhealthtest"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/safetensors"
+	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
-	"go.temporal.io/sdk/temporal"
 )
 
 // receiver is a test double of a vLLM server's NCCL data plane for
@@ -217,13 +218,11 @@ type server struct {
 type env struct {
 	t       *testing.T
 	f       *nccltest.Fake
-	tr      *Transfer
+	tr      *Engine
 	servers []*server
-	fleet   vllm.Fleet
-	sc      pipelines.StepContext
-
-	mu    sync.Mutex
-	beats []Progress
+	target  transfer.Target
+	// progress is the last request's.
+	progress *transfer.Progress
 }
 
 type envConfig struct {
@@ -231,7 +230,7 @@ type envConfig struct {
 	worldSizes []int // per server (TP)
 	wt         pipelines.WeightTransfer
 	faults     []double.Faults // per server, optional
-	monitor    Monitor
+	monitor    gpuhealth.Monitor
 }
 
 func newEnv(t *testing.T, cfg envConfig) *env {
@@ -259,22 +258,16 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 			t.Fatal(err)
 		}
 		e.servers = append(e.servers, &server{Server: d, url: hs.URL, rcv: r})
-		e.fleet = append(e.fleet, c)
-		e.sc.Servers = append(e.sc.Servers, pipelines.Server{URL: hs.URL, API: string(cfg.gen)})
+		e.target.Fleet = append(e.target.Fleet, c)
+		e.target.Pins = append(e.target.Pins, vllm.Generation(cfg.gen))
 	}
-	wt := cfg.wt
-	wt.Backend = "nccl"
-	e.sc.RunID, e.sc.Iteration, e.sc.WeightTransfer = "run-1", 1, &wt
+	e.target.Settings = cfg.wt
+	e.target.Settings.Backend = pipelines.BackendNCCL
+	e.target.RunID = "run-1"
 	tr, err := New(Config{
 		API: e.f, Device: 0, Advertise: "127.0.0.1", Monitor: cfg.monitor,
-		Staging:        staging.Options{DeviceMargin: 1 << 20},
-		Comm:           []nccl.CommOption{nccl.WithPollInterval(20*time.Microsecond, time.Millisecond)},
-		HeartbeatEvery: time.Millisecond,
-		Heartbeat: func(_ context.Context, p Progress) {
-			e.mu.Lock()
-			e.beats = append(e.beats, p)
-			e.mu.Unlock()
-		},
+		Staging: staging.Options{DeviceMargin: 1 << 20},
+		Comm:    []nccl.CommOption{nccl.WithPollInterval(20*time.Microsecond, time.Millisecond)},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -292,26 +285,42 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	return e
 }
 
-func (e *env) heartbeats() []Progress {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]Progress(nil), e.beats...)
-}
-
 func (e *env) ctx() context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	e.t.Cleanup(cancel)
 	return ctx
 }
 
-func (e *env) broadcast(ctx context.Context, ckpt string, iter int, mod func(*activities.BroadcastInput)) (*activities.BroadcastOutput, error) {
-	sc := e.sc
-	sc.Iteration = iter
-	in := activities.BroadcastInput{Context: sc, Checkpoint: ckpt}
+// init initialises the group as the init_transfer activity does, with
+// the registry's default timeout.
+func (e *env) init(ctx context.Context, mod func(*transfer.InitRequest)) (transfer.InitResult, error) {
+	e.progress = &transfer.Progress{}
+	req := transfer.InitRequest{Target: e.target, Timeout: pipelines.DefaultInitTimeout, Progress: e.progress}
 	if mod != nil {
-		mod(&in)
+		mod(&req)
 	}
-	return e.tr.Broadcast(ctx, in, e.fleet)
+	return e.tr.Init(ctx, req)
+}
+
+// broadcast sends ckpt as the broadcast activity of iteration iter does,
+// with its defaults (version run-1/iter-<n>, dtype keep).
+func (e *env) broadcast(ctx context.Context, ckpt string, iter int, mod func(*transfer.UpdateRequest)) (transfer.UpdateResult, error) {
+	e.progress = &transfer.Progress{}
+	req := transfer.UpdateRequest{Target: e.target, Checkpoint: ckpt, DType: "keep", Version: fmt.Sprintf("run-1/iter-%d", iter),
+		InitTimeout: pipelines.DefaultInitTimeout, Progress: e.progress}
+	if mod != nil {
+		mod(&req)
+	}
+	return e.tr.Update(ctx, req)
+}
+
+// kindOf is the transfer.Kind of an engine's error, 0 for another error.
+func kindOf(err error) transfer.Kind {
+	var te *transfer.Error
+	if errors.As(err, &te) {
+		return te.Kind
+	}
+	return 0
 }
 
 func (e *env) requests(i int, route string) int { return e.servers[i].Stats().Requests[route] }
@@ -381,11 +390,6 @@ func checkBytes(t *testing.T, path string, got map[string][]byte, toBF16 bool) {
 	}
 }
 
-func isRetryable(err error) bool {
-	var app *temporal.ApplicationError
-	return errors.As(err, &app) && !app.NonRetryable()
-}
-
 // ---- tests ----
 
 func TestInitThenBroadcastTwice(t *testing.T) {
@@ -400,7 +404,7 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 					}
 					e := newEnv(t, envConfig{gen: gen, worldSizes: sizes, wt: wt})
 					ctx := e.ctx()
-					out, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet)
+					out, err := e.init(ctx, nil)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -408,7 +412,7 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 					for _, s := range sizes {
 						world += s
 					}
-					if out.WorldSize != world || out.Backend != "nccl" || !strings.HasSuffix(out.Group, "#1") || !strings.HasPrefix(out.Group, "run-1@") {
+					if out.WorldSize != world || !strings.HasSuffix(out.Group, "#1") || !strings.HasPrefix(out.Group, "run-1@") {
 						t.Fatalf("init output %+v", out)
 					}
 					// Cumulative rank offsets: the second server's TP ranks follow the first's.
@@ -430,17 +434,18 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 						if err != nil {
 							t.Fatalf("broadcast %d: %v", iter, err)
 						}
-						if bo.Initialized || bo.Tensors != 7 || bo.Version != fmt.Sprintf("run-1/iter-%d", iter) {
+						if bo.Initialized || bo.Tensors != 7 || bo.Group != out.Group {
 							t.Fatalf("broadcast %d output %+v", iter, bo)
 						}
+						version := fmt.Sprintf("run-1/iter-%d", iter)
 						for i, s := range e.servers {
 							got := s.rcv.received()
 							if len(got) != iter {
 								t.Fatalf("server %d received %d updates after %d broadcasts", i, len(got), iter)
 							}
 							checkBytes(t, path, got[iter-1], false)
-							if gen != double.GenB && s.WeightVersion() != bo.Version {
-								t.Fatalf("server %d weight version %q, want %q", i, s.WeightVersion(), bo.Version)
+							if gen != double.GenB && s.WeightVersion() != version {
+								t.Fatalf("server %d weight version %q, want %q", i, s.WeightVersion(), version)
 							}
 						}
 					}
@@ -450,14 +455,8 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 							t.Fatalf("server %d saw %d inits, want 1", i, n)
 						}
 					}
-					var last Progress
-					for _, b := range e.heartbeats() {
-						if b.Phase == "broadcast" {
-							last = b
-						}
-					}
-					if last.BytesTotal == 0 || last.BytesSent > last.BytesTotal || last.Group != out.Group {
-						t.Fatalf("last broadcast heartbeat %+v", last)
+					if last := e.progress.Report(); last.Phase != "broadcast" || last.BytesTotal == 0 || last.BytesSent != last.BytesTotal || last.Group != out.Group {
+						t.Fatalf("the last broadcast's progress %+v", last)
 					}
 				})
 			}
@@ -468,12 +467,12 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 func TestBroadcastInitialisesOnFirstUse(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true}})
 	path := writeCheckpoint(t, t.TempDir(), 1)
-	out, err := e.broadcast(e.ctx(), path, 1, func(in *activities.BroadcastInput) { in.Version = "v1"; in.Verify = true })
+	out, err := e.broadcast(e.ctx(), path, 1, func(req *transfer.UpdateRequest) { req.Version = "v1" })
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !out.Initialized || out.Version != "v1" || out.Bytes == 0 {
-		t.Fatalf("%+v", out)
+	if !out.Initialized || e.servers[0].WeightVersion() != "v1" || out.Bytes == 0 {
+		t.Fatalf("%+v, server version %q", out, e.servers[0].WeightVersion())
 	}
 	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
 }
@@ -498,11 +497,8 @@ func TestPoisonedGroupIsReinitialised(t *testing.T) {
 	})
 	start := time.Now()
 	_, err := e.broadcast(ctx, writeCheckpoint(t, dir, 2), 2, nil)
-	if err == nil || !isRetryable(err) {
-		t.Fatalf("broadcast with an NCCL failure: %v, want a retryable error", err)
-	}
-	if !activities.IsType(err, activities.ErrTypeNCCL) || !strings.Contains(err.Error(), "injected by the fake") {
-		t.Fatalf("want an NCCLError with NCCL's own reason: %v", err)
+	if kindOf(err) != transfer.NCCLFailed || !strings.Contains(err.Error(), "injected by the fake") {
+		t.Fatalf("broadcast with an NCCL failure: %v, want NCCLFailed with NCCL's own reason", err)
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Fatalf("failure took %v", d)
@@ -534,7 +530,7 @@ func TestUpdateWeights500AbortsAtOnce(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}, wt: pipelines.WeightTransfer{Packed: true, BufferBytes: 4096},
 		faults: []double.Faults{{}, {ErrorRate: map[string]float64{"/update_weights": 1}}}})
 	ctx := e.ctx()
-	if _, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet); err != nil {
+	if _, err := e.init(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	start := time.Now()
@@ -548,13 +544,13 @@ func TestUpdateWeights500AbortsAtOnce(t *testing.T) {
 		t.Fatalf("took %v: the communicator should be aborted at once", took)
 	}
 	msg := err.Error()
-	for _, want := range []string{e.servers[1].url, "POST /update_weights: HTTP 500", "injected fault", "communicator was aborted"} {
+	for _, want := range []string{e.servers[1].url, "POST /update_weights: HTTP 500", "injected fault", "communicator was aborted", "update sessions closed"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error does not say %q: %s", want, msg)
 		}
 	}
-	if !activities.IsType(err, activities.ErrTypeServerError) || !isRetryable(err) {
-		t.Errorf("want a retryable ServerError: %v", err)
+	if kindOf(err) != transfer.ServerFailed {
+		t.Errorf("want ServerFailed: %v", err)
 	}
 	aborted := false
 	for _, c := range e.f.Calls() {
@@ -563,10 +559,11 @@ func TestUpdateWeights500AbortsAtOnce(t *testing.T) {
 	if !aborted {
 		t.Error("rank 0's communicator was not aborted")
 	}
-	// Neither server is left mid-update.
-	for i := range e.servers {
-		if e.requests(i, "POST /finish_weight_update") != 1 {
-			t.Errorf("server %d: session not closed after the failure", i)
+	// Neither server is left mid-update, and neither claims the new
+	// version.
+	for i, s := range e.servers {
+		if e.requests(i, "POST /finish_weight_update") != 1 || s.WeightVersion() != "run-1/iter-1-failed" {
+			t.Errorf("server %d: session not closed after the failure (version %q)", i, s.WeightVersion())
 		}
 	}
 }
@@ -618,9 +615,9 @@ func TestConversionAndALoadFailureAfterTheBytes(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1}, wt: pipelines.WeightTransfer{}})
 	ctx := e.ctx()
 	path := writeCheckpoint(t, t.TempDir(), 1)
-	_, err := e.broadcast(ctx, path, 1, func(in *activities.BroadcastInput) { in.DType = "bfloat16" })
-	if err == nil || !activities.IsType(err, activities.ErrTypeServerError) {
-		t.Fatalf("got %v, want a ServerError", err)
+	_, err := e.broadcast(ctx, path, 1, func(req *transfer.UpdateRequest) { req.DType = "bfloat16" })
+	if kindOf(err) != transfer.ServerFailed {
+		t.Fatalf("got %v, want ServerFailed", err)
 	}
 	if !strings.Contains(err.Error(), "want F32") || !strings.Contains(err.Error(), e.servers[0].url) {
 		t.Fatalf("error does not carry the server's reason: %v", err)
@@ -644,66 +641,54 @@ func TestBadInputs(t *testing.T) {
 	dir := t.TempDir()
 	good := writeCheckpoint(t, dir, 1)
 	cases := map[string]struct {
-		mod  func(*activities.BroadcastInput)
+		mod  func(*transfer.UpdateRequest)
 		want string
 	}{
-		"missing checkpoint": {func(in *activities.BroadcastInput) { in.Checkpoint = filepath.Join(dir, "nope") }, "no such file"},
-		"empty checkpoint":   {func(in *activities.BroadcastInput) { in.Checkpoint = "" }, "checkpoint is empty"},
-		"dtype":              {func(in *activities.BroadcastInput) { in.DType = "float8" }, "dtype \"float8\""},
-		"disk backend": {func(in *activities.BroadcastInput) {
-			in.Context.WeightTransfer = &pipelines.WeightTransfer{Backend: "disk"}
-		}, "nccl backend only"},
+		"missing checkpoint":  {func(req *transfer.UpdateRequest) { req.Checkpoint = filepath.Join(dir, "nope") }, "no such file"},
+		"relative checkpoint": {func(req *transfer.UpdateRequest) { req.Checkpoint = filepath.Base(good) }, "not an absolute path"},
+		"dtype":               {func(req *transfer.UpdateRequest) { req.DType = "float8" }, "dtype \"float8\""},
+		"no init timeout":     {func(req *transfer.UpdateRequest) { req.InitTimeout = 0 }, "init timeout"},
 	}
 	for name, tc := range cases {
 		_, err := e.broadcast(ctx, good, 1, tc.mod)
-		if err == nil || !activities.IsType(err, activities.ErrTypeBadInput) || isRetryable(err) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: %v, want a non-retryable BadInput saying %q", name, err, tc.want)
+		if kindOf(err) != transfer.BadInput || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want BadInput saying %q", name, err, tc.want)
 		}
-	}
-	// A relative checkpoint is resolved against the run's base_dir.
-	out, err := e.broadcast(ctx, filepath.Base(good), 1, func(in *activities.BroadcastInput) { in.Context.BaseDir = dir })
-	if err != nil || out.Tensors != 7 {
-		t.Fatalf("relative checkpoint: %+v %v", out, err)
 	}
 
 	noAddr, err := New(Config{API: e.f})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = noAddr.Broadcast(ctx, activities.BroadcastInput{Context: e.sc, Checkpoint: good}, e.fleet)
-	if !activities.IsType(err, activities.ErrTypeBadInput) || !strings.Contains(err.Error(), "--advertise") {
+	_, err = noAddr.Update(ctx, transfer.UpdateRequest{Target: e.target, Checkpoint: good, Version: "v", InitTimeout: time.Second})
+	if kindOf(err) != transfer.BadInput || !strings.Contains(err.Error(), "--advertise") {
 		t.Fatalf("no master address: %v", err)
 	}
-	_, err = noAddr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet)
-	if !activities.IsType(err, activities.ErrTypeBadInput) {
+	_, err = noAddr.Init(ctx, transfer.InitRequest{Target: e.target, Timeout: time.Second})
+	if kindOf(err) != transfer.BadInput {
 		t.Fatalf("init without a master address: %v", err)
 	}
 }
 
 func TestHealthInHeartbeatsAndMemoryCheck(t *testing.T) {
-	mon := NewFakeMonitor(DeviceInfo{Index: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 60 << 30})
+	mon := gpuhealthtest.NewMonitor(gpuhealth.DeviceInfo{Index: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 60 << 30})
 	one := uint64(1)
-	mon.SetHealth(Health{Device: 0, ECCUncorrected: &one, XIDs: []uint64{79}})
+	mon.SetHealth(gpuhealth.Health{Device: 0, ECCUncorrected: &one, XIDs: []uint64{79}})
 	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, monitor: mon})
 	ctx := e.ctx()
 	path := writeCheckpoint(t, t.TempDir(), 1)
 	if _, err := e.broadcast(ctx, path, 1, nil); err != nil {
 		t.Fatal(err)
 	}
-	var seen bool
-	for _, b := range e.heartbeats() {
-		if b.Health != nil && strings.Contains(strings.Join(b.Health.Problems, ";"), "XID errors 79") {
-			seen = true
-		}
-	}
-	if !seen {
-		t.Fatal("no heartbeat carried the device's XID")
+	h, ok := e.progress.Report().Health.(*gpuhealth.Health)
+	if !ok || !strings.Contains(strings.Join(h.Problems, ";"), "XID errors 79") {
+		t.Fatalf("the progress report's health %#v does not carry the device's XID", e.progress.Report().Health)
 	}
 	// Too little free memory for the buffers: refused before allocating,
 	// naming the device.
-	mon.SetHealth(Health{Device: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 1 << 20})
-	_, err := e.broadcast(ctx, path, 2, func(in *activities.BroadcastInput) {
-		in.Context.WeightTransfer = &pipelines.WeightTransfer{Backend: "nccl", Packed: true, BufferBytes: 1 << 30}
+	mon.SetHealth(gpuhealth.Health{Device: 0, Name: "Fake H200", MemoryTotal: 64 << 30, MemoryFree: 1 << 20})
+	_, err := e.broadcast(ctx, path, 2, func(req *transfer.UpdateRequest) {
+		req.Settings = pipelines.WeightTransfer{Backend: pipelines.BackendNCCL, Packed: true, BufferBytes: 1 << 30}
 	})
 	if err == nil || !strings.Contains(err.Error(), "Fake H200") || !strings.Contains(err.Error(), "free") {
 		t.Fatalf("got %v, want the free-memory check", err)
@@ -716,7 +701,7 @@ func TestHealthInHeartbeatsAndMemoryCheck(t *testing.T) {
 func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Packed: true}})
 	ctx := e.ctx()
-	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil { // the dead trainer's session
+	if err := e.target.Fleet[0].StartWeightUpdate(ctx); err != nil { // the dead trainer's session
 		t.Fatal(err)
 	}
 	path := writeCheckpoint(t, t.TempDir(), 1)
@@ -724,7 +709,7 @@ func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !out.Initialized || e.servers[0].WeightVersion() != out.Version {
+	if !out.Initialized || e.servers[0].WeightVersion() != "run-1/iter-1" {
 		t.Fatalf("%+v, server version %q", out, e.servers[0].WeightVersion())
 	}
 	if n := e.requests(0, "POST /start_weight_update"); n != 3 {
@@ -733,7 +718,7 @@ func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
 	// On a group that was already in use, an open session is not ours to
 	// close: the attempt fails.
-	if err := e.fleet[0].StartWeightUpdate(ctx); err != nil {
+	if err := e.target.Fleet[0].StartWeightUpdate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.broadcast(ctx, path, 2, nil); err == nil || !strings.Contains(err.Error(), "already open") {
@@ -745,10 +730,10 @@ func TestInitDeadlineWhenAWorkerNeverJoins(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}})
 	e.servers[1].rcv.stall = true
 	start := time.Now()
-	_, err := e.tr.Init(e.ctx(), activities.InitTransferInput{Context: e.sc, Timeout: pipelines.Duration(300 * time.Millisecond)}, e.fleet)
+	_, err := e.init(e.ctx(), func(req *transfer.InitRequest) { req.Timeout = 300 * time.Millisecond })
 	took := time.Since(start)
-	if err == nil || !isRetryable(err) || !strings.Contains(err.Error(), "init did not complete within 300ms") {
-		t.Fatalf("got %v, want a retryable error naming the init deadline", err)
+	if k := kindOf(err); (k != transfer.NCCLFailed && k != transfer.ServerFailed) || !strings.Contains(err.Error(), "init did not complete within 300ms") {
+		t.Fatalf("got %v, want a transport error naming the init deadline", err)
 	}
 	if took > 5*time.Second {
 		t.Fatalf("init gave up after %v", took)
@@ -766,14 +751,12 @@ func TestAnotherRunOnTheSameServersRetiresTheGroup(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}})
 	ctx := e.ctx()
 	path := writeCheckpoint(t, t.TempDir(), 1)
-	if _, err := e.tr.Init(ctx, activities.InitTransferInput{Context: e.sc}, e.fleet); err != nil {
+	if _, err := e.init(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	// Run 2 takes the server over: vLLM keeps one communicator, so run 1's
 	// group is dead and must not be used again.
-	other := e.sc
-	other.RunID = "run-2"
-	if _, err := e.tr.Broadcast(ctx, activities.BroadcastInput{Context: other, Checkpoint: path}, e.fleet); err != nil {
+	if _, err := e.broadcast(ctx, path, 1, func(req *transfer.UpdateRequest) { req.RunID = "run-2" }); err != nil {
 		t.Fatal(err)
 	}
 	out, err := e.broadcast(ctx, path, 2, nil)

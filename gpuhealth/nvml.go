@@ -1,6 +1,6 @@
 //go:build linux && cgo
 
-package gpu
+package gpuhealth
 
 import (
 	"fmt"
@@ -182,7 +182,7 @@ func (m *NVML) Health(index int) (Health, error) {
 	}
 	m.drainXIDs()
 	h.XIDs = append([]uint64(nil), m.xids[index]...)
-	h.problems()
+	h.Diagnose()
 	return h, nil
 }
 

@@ -1,6 +1,6 @@
-package gpu
+package ncclengine
 
-// The GPU test of Transfer: real NCCL and CUDA through nccl.Load, rank 0 in
+// The GPU test of the engine: real NCCL and CUDA through nccl.Load, rank 0 in
 // this process, and every vLLM server played by tests/gpu/receiver.py
 // --http (a vLLM-like HTTP front doing a worker's real TCPStore
 // rendezvous, NCCL init, warm-up and broadcasts), placed by gputest.Place:
@@ -36,28 +36,12 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/gpuhealth"
 	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/internal/testutil/gputest"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/safetensors"
-	"github.com/rlflow/rlflow/vllm"
 )
-
-func receiverScript(t *testing.T) string {
-	t.Helper()
-	for _, d := range []string{os.Getenv("RLFLOW_GPU_SCRIPTS"), "../tests/gpu", "tests/gpu", "../../tests/gpu"} {
-		if d == "" {
-			continue
-		}
-		p := filepath.Join(d, "receiver.py")
-		if _, err := os.Stat(p); err == nil {
-			abs, _ := filepath.Abs(p)
-			return abs
-		}
-	}
-	t.Fatal("cannot find receiver.py (set RLFLOW_GPU_SCRIPTS to the tests/gpu directory)")
-	return ""
-}
 
 // genCheckpoint writes (or reuses) a ~0.4 GiB decoder-shaped checkpoint
 // with awkward tensors; seed makes the bytes of each iteration differ.
@@ -129,7 +113,7 @@ func startReceiver(ctx context.Context, t *testing.T, pl gputest.Placement, i in
 		py = "python3"
 	}
 	port := testutil.FreePort(t)
-	args := []string{receiverScript(t), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(pl.Device(i + 1)), "--deadline", "600", "--update-deadline", "30"}
+	args := []string{gputest.Script(t, "receiver.py"), "--http", strconv.Itoa(port), "--api", "D", "--device", strconv.Itoa(pl.Device(i + 1)), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)
 	env := pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", i+1))
 	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1")
@@ -232,8 +216,10 @@ func checkReceived(ctx context.Context, t *testing.T, rs []*httpReceiver, want m
 	}
 }
 
-// TestGPUTransferToHTTPReceivers: gpu.Transfer end to end on the GPU, as
-// the GPU worker runs it: init, two broadcasts reusing the group, an
+// TestGPUTransferToHTTPReceivers: the engine end to end on the GPU, through
+// the transfer activities as the GPU worker runs them: init, two
+// broadcasts reusing the group (each verifying the servers' weight
+// version), an
 // update_weights that fails early (the communicator must be aborted, not
 // hang), and a broadcast that re-initialises the group. W4 and W8 (3 and 7
 // one-rank servers, rank offsets 1..W-1) run only with spread placement.
@@ -241,8 +227,8 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 	lib := gputest.Lib(t)
 	ck1, ck2 := genCheckpoint(t, 1), genCheckpoint(t, 2)
 	want1, want2 := digests(t, ck1), digests(t, ck2)
-	var mon Monitor
-	if m, err := OpenNVML(""); err == nil {
+	var mon gpuhealth.Monitor
+	if m, err := gpuhealth.OpenNVML(""); err == nil {
 		mon = m
 		defer m.Close()
 	} else {
@@ -273,24 +259,15 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 			defer cancel()
 			var rs []*httpReceiver
-			var fleet vllm.Fleet
 			wt := tc.wt
-			wt.Backend = "nccl"
+			wt.Backend = pipelines.BackendNCCL
 			sc := pipelines.StepContext{RunID: "gpu-test", Iteration: 1, WeightTransfer: &wt}
 			for i := 0; i < tc.servers; i++ {
 				r := startReceiver(ctx, t, pl, i)
 				rs = append(rs, r)
-				c, err := vllm.New(r.url, vllm.Options{Generation: vllm.GenD})
-				if err != nil {
-					t.Fatal(err)
-				}
-				fleet = append(fleet, c)
 				sc.Servers = append(sc.Servers, pipelines.Server{URL: r.url, API: "D"})
 			}
-			var beatMu sync.Mutex
-			var lastBeat Progress
-			cfg := Config{API: lib, Device: pl.Trainer, Advertise: "127.0.0.1",
-				Heartbeat: func(_ context.Context, p Progress) { beatMu.Lock(); lastBeat = p; beatMu.Unlock() }}
+			cfg := Config{API: lib, Device: pl.Trainer, Advertise: "127.0.0.1"}
 			if mon != nil {
 				cfg.Monitor, cfg.MonitorIndex = mon, pl.Trainer
 			}
@@ -299,9 +276,10 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer tr.Close()
+			steps := activities.New(activities.Deps{NCCL: tr})
 
 			t0 := time.Now()
-			io, err := tr.Init(ctx, activities.InitTransferInput{Context: sc}, fleet)
+			io, err := steps.InitTransfer(ctx, activities.InitTransferInput{Context: sc})
 			if err != nil {
 				gputest.Verdict(t, false, "init: %v", err)
 				return
@@ -311,7 +289,7 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			bcast := func(path string, iter int) (*activities.BroadcastOutput, error) {
 				in := activities.BroadcastInput{Context: sc, Checkpoint: path, Verify: true}
 				in.Context.Iteration = iter
-				return tr.Broadcast(ctx, in, fleet)
+				return steps.Broadcast(ctx, in)
 			}
 			for iter, c := range []struct {
 				path string
@@ -336,7 +314,7 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			_, err = bcast(ck1, 3)
 			took := time.Since(start)
 			ok := err != nil && took < 60*time.Second && strings.Contains(err.Error(), rs[len(rs)-1].url) &&
-				strings.Contains(err.Error(), "injected failure") && activities.IsType(err, activities.ErrTypeServerError)
+				strings.Contains(err.Error(), "injected failure") && activities.IsType(err, pipelines.ErrTypeServerError)
 			gputest.Verdict(t, ok, "update_weights 500 on server %d: broadcast failed after %.2fs: %v", len(rs), took.Seconds(), err)
 
 			out, err := bcast(ck2, 4)
@@ -346,11 +324,6 @@ func TestGPUTransferToHTTPReceivers(t *testing.T) {
 			}
 			gputest.Verdict(t, out.Initialized, "broadcast after the failure re-initialised the group: initialized %v, %.2fs", out.Initialized, out.Seconds)
 			checkReceived(ctx, t, rs, want2, 3, "broadcast after the failure")
-			beatMu.Lock()
-			if lastBeat.Health != nil {
-				t.Logf("GPU health in the last heartbeat: %+v", *lastBeat.Health)
-			}
-			beatMu.Unlock()
 		})
 	}
 }

@@ -1,6 +1,6 @@
 //go:build !(linux && cgo)
 
-package gpu
+package gpuhealth
 
 import "errors"
 

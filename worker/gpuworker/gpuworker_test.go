@@ -1,4 +1,4 @@
-package worker
+package gpuworker
 
 import (
 	"context"
@@ -9,31 +9,35 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/vllm"
+	"github.com/rlflow/rlflow/worker"
 	"github.com/rlflow/rlflow/workflows"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/testsuite"
 )
 
-// recordingTransfer is a test double of the NCCL path: it records the
-// fleet each step was given and asks the first server for its world size.
-type recordingTransfer struct {
-	fleets []vllm.Fleet
+// recordingEngine is a test double of the NCCL engine: it records the
+// target of each request and asks the first server for its world size.
+type recordingEngine struct {
+	targets []transfer.Target
+	updates []transfer.UpdateRequest
 }
 
-func (r *recordingTransfer) Init(ctx context.Context, in activities.InitTransferInput, fleet vllm.Fleet) (*activities.InitTransferOutput, error) {
-	r.fleets = append(r.fleets, fleet)
-	n, err := fleet[0].WorldSize(ctx, true)
+func (r *recordingEngine) Init(ctx context.Context, req transfer.InitRequest) (transfer.InitResult, error) {
+	r.targets = append(r.targets, req.Target)
+	n, err := req.Fleet[0].WorldSize(ctx, true)
 	if err != nil {
-		return nil, err
+		return transfer.InitResult{}, err
 	}
-	return &activities.InitTransferOutput{WorldSize: 1 + n, Backend: "nccl"}, nil
+	return transfer.InitResult{WorldSize: 1 + n, Group: transfer.GroupKey(req.Target)}, nil
 }
 
-func (r *recordingTransfer) Broadcast(ctx context.Context, in activities.BroadcastInput, fleet vllm.Fleet) (*activities.BroadcastOutput, error) {
-	r.fleets = append(r.fleets, fleet)
-	return &activities.BroadcastOutput{Backend: "nccl", Version: in.Version}, nil
+func (r *recordingEngine) Update(ctx context.Context, req transfer.UpdateRequest) (transfer.UpdateResult, error) {
+	r.targets = append(r.targets, req.Target)
+	r.updates = append(r.updates, req)
+	return transfer.UpdateResult{Bytes: 1, Tensors: 1, Group: transfer.GroupKey(req.Target)}, nil
 }
 
 func TestGPUWorkerQueues(t *testing.T) {
@@ -42,15 +46,15 @@ func TestGPUWorkerQueues(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	a, err := NewGPU(c, GPUOptions{Host: "host-a", Device: 3, NCCL: &recordingTransfer{}})
+	a, err := New(c, Options{Host: "host-a", Device: 3, Engine: &recordingEngine{}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := NewGPU(c, GPUOptions{Host: "host-a", NCCL: &recordingTransfer{}})
+	b, err := New(c, Options{Host: "host-a", Engine: &recordingEngine{}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.HasPrefix(a.HostQueue, workflows.DefaultGPUTaskQueue+"/host-a/") || a.HostQueue == b.HostQueue {
+	if !strings.HasPrefix(a.HostQueue, pipelines.DefaultGPUTaskQueue+"/host-a/") || a.HostQueue == b.HostQueue {
 		t.Fatalf("host queues %q and %q: want rlflow-gpu/host-a/<instance>, distinct per process", a.HostQueue, b.HostQueue)
 	}
 	var ts testsuite.WorkflowTestSuite
@@ -67,8 +71,18 @@ func TestGPUWorkerQueues(t *testing.T) {
 	if host != (workflows.GPUHost{TaskQueue: a.HostQueue, Host: "host-a", Device: 3}) {
 		t.Fatalf("acquire answered %+v", host)
 	}
-	if _, err := NewGPU(c, GPUOptions{}); err == nil {
-		t.Fatal("a GPU worker without an NCCL transfer was built")
+	// The start-up policy with the fake NCCL: device 0 when none is asked
+	// for, an advertise address the servers cannot reach refused.
+	f, err := New(c, Options{Host: "host-b", Device: -1, FakeNCCL: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if f.Info.Device != 0 {
+		t.Errorf("fake device %d, want 0", f.Info.Device)
+	}
+	if _, err := New(c, Options{FakeNCCL: true, Advertise: "0.0.0.0"}); err == nil || !strings.Contains(err.Error(), "--advertise") {
+		t.Errorf("advertise 0.0.0.0: %v", err)
 	}
 }
 
@@ -81,12 +95,12 @@ func TestTransferStepsBuildTheFleet(t *testing.T) {
 		w.Write([]byte(`{"world_size": 2}`))
 	}))
 	defer srv.Close()
-	rec := &recordingTransfer{}
+	rec := &recordingEngine{}
 	env := map[string]string{"VLLM_KEY": "sekrit"}
 	steps := activities.New(activities.Deps{NCCL: rec, Getenv: func(k string) string { return env[k] }})
 	var ts testsuite.WorkflowTestSuite
 	aenv := ts.NewTestActivityEnvironment()
-	RegisterTransferActivities(aenv, steps)
+	worker.RegisterTransferActivities(aenv, steps)
 
 	sc := pipelines.StepContext{RunID: "r", WeightTransfer: &pipelines.WeightTransfer{Backend: "nccl"}, Servers: []pipelines.Server{{URL: srv.URL, APIKeyEnv: "VLLM_KEY", API: "d"}}}
 	v, err := aenv.ExecuteActivity(pipelines.StepInitTransfer, activities.InitTransferInput{Context: sc})
@@ -100,13 +114,16 @@ func TestTransferStepsBuildTheFleet(t *testing.T) {
 	if _, err := aenv.ExecuteActivity(pipelines.StepBroadcast, activities.BroadcastInput{Context: sc, Checkpoint: "/c", Version: "v"}); err != nil {
 		t.Fatal(err)
 	}
-	if len(rec.fleets) != 2 || rec.fleets[1][0].URL() != srv.URL || rec.fleets[1][0].Generation() != vllm.GenD {
-		t.Fatalf("fleets %v", rec.fleets)
+	if len(rec.targets) != 2 || rec.targets[1].Fleet[0].URL() != srv.URL || rec.targets[1].Pins[0] != vllm.GenD {
+		t.Fatalf("targets %+v", rec.targets)
+	}
+	if u := rec.updates[0]; u.Checkpoint != "/c" || u.Version != "v" || u.DType != "keep" || u.InitTimeout != pipelines.DefaultInitTimeout {
+		t.Errorf("update request %+v: want the checkpoint, the version, and the registry's defaults", u)
 	}
 
 	sc.Servers[0].APIKeyEnv = "UNSET"
 	_, err = aenv.ExecuteActivity(pipelines.StepBroadcast, activities.BroadcastInput{Context: sc, Checkpoint: "/c"})
-	if err == nil || !strings.Contains(err.Error(), "UNSET") || !strings.Contains(err.Error(), activities.ErrTypeBadInput) {
+	if err == nil || !strings.Contains(err.Error(), "UNSET") || !strings.Contains(err.Error(), pipelines.ErrTypeBadInput) {
 		t.Fatalf("missing key: %v", err)
 	}
 }

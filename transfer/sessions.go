@@ -1,0 +1,87 @@
+package transfer
+
+import (
+	"context"
+	"strings"
+
+	"github.com/rlflow/rlflow/vllm"
+)
+
+// Sessions runs one update's session on every server of a fleet (start,
+// the backend's update_weights, finish with the version) and remembers
+// which sessions it opened and finished, so that a failed update can close
+// exactly the ones it left open. Both backends update through it.
+type Sessions struct {
+	fleet vllm.Fleet
+	// closeStale: an open session on a server belongs to a trainer that is
+	// gone, so a refused start closes it and starts again.
+	closeStale bool
+	// Written by server i's goroutine only, read after every run returned.
+	opened, finished []bool
+}
+
+// NewSessions prepares the sessions of one update. closeStale says that
+// any session a server already has open belongs to a trainer that is gone.
+func NewSessions(fleet vllm.Fleet, closeStale bool) *Sessions {
+	return &Sessions{fleet: fleet, closeStale: closeStale, opened: make([]bool, len(fleet)), finished: make([]bool, len(fleet))}
+}
+
+// Run is server i's session: update runs between start and finish. Each
+// server's Run must be called from one goroutine, and CloseLeftOpen only
+// after every Run returned.
+func (s *Sessions) Run(ctx context.Context, i int, update func(context.Context, *vllm.Client) error, version string) error {
+	c := s.fleet[i]
+	if err := c.StartUpdateSession(ctx, s.closeStale); err != nil {
+		return err
+	}
+	s.opened[i] = true
+	if err := update(ctx, c); err != nil {
+		return err
+	}
+	if err := c.FinishWeightUpdate(ctx, version); err != nil {
+		return err
+	}
+	s.finished[i] = true
+	return nil
+}
+
+// CloseLeftOpen closes every session this update opened and did not
+// finish, recording version+"-failed": part of the checkpoint may have
+// loaded, so neither the old label nor the new one would be true. It
+// returns a note for the update's error saying so, naming the servers
+// where closing failed too; "" when no session was left open.
+func (s *Sessions) CloseLeftOpen(ctx context.Context, version string) string {
+	var left vllm.Fleet
+	for i, c := range s.fleet {
+		if s.opened[i] && !s.finished[i] {
+			left = append(left, c)
+		}
+	}
+	if len(left) == 0 {
+		return ""
+	}
+	err := left.Each("close update session", func(_ int, c *vllm.Client) error {
+		return c.CloseUpdateSession(ctx, failedVersion(version))
+	})
+	if err == nil {
+		return "update sessions closed"
+	}
+	return "could not close every update session, a server may be left mid-update: " + err.Error()
+}
+
+// failedVersion labels the weights of a server whose update failed.
+func failedVersion(version string) string {
+	if version == "" {
+		return ""
+	}
+	return version + "-failed"
+}
+
+// ServerList names the fleet's servers for an error message.
+func ServerList(f vllm.Fleet) string {
+	urls := make([]string, len(f))
+	for i, c := range f {
+		urls[i] = c.URL()
+	}
+	return strings.Join(urls, ", ")
+}

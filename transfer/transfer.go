@@ -1,0 +1,120 @@
+// Package transfer moves a checkpoint's weights into a fleet of vLLM
+// servers. It holds the contract both weight-transfer backends implement
+// (Engine), the disk backend (Disk), and what the two share: group keys,
+// the update-session protocol with its cleanup, progress for heartbeats and
+// typed errors. The NCCL backend, which needs a GPU, is transfer/ncclengine.
+//
+// Invariants:
+//
+//   - Nothing here imports Temporal: the activities call an Engine and
+//     classify its *Error (Kind says how); a request whose context ends
+//     gets an error wrapping the context's.
+//   - Requests are complete: paths are absolute, the version is set and
+//     timeouts are positive (or zero where the doc says what zero means);
+//     defaults are the activities' business (from the pipelines registry),
+//     never an engine's.
+//   - A server whose update session an update opened is never left
+//     mid-update: a failed update closes every session it opened and did
+//     not finish (bounded, best effort), labelling the version as failed,
+//     since part of the checkpoint may have loaded.
+//   - One group per GroupKey (run and servers with their API generation
+//     pins), initialised on first use and again after its loss.
+package transfer
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/vllm"
+)
+
+// Engine moves weights to the servers with one backend.
+type Engine interface {
+	// Init (re)initialises the weight-transfer group of req's run and
+	// servers.
+	Init(ctx context.Context, req InitRequest) (InitResult, error)
+	// Update loads a checkpoint into every server of the fleet, initialising
+	// the group first when it has none (or lost it).
+	Update(ctx context.Context, req UpdateRequest) (UpdateResult, error)
+}
+
+// Target is the run and the servers a transfer serves.
+type Target struct {
+	RunID string
+	Fleet vllm.Fleet
+	// Pins are the API generations the pipeline pins, per server ("" =
+	// probed); a different pin is a different payload shape, so a
+	// different group.
+	Pins []vllm.Generation
+	// Settings are the pipeline's weight_transfer (packing for nccl).
+	Settings pipelines.WeightTransfer
+}
+
+// InitRequest initialises a group.
+type InitRequest struct {
+	Target
+	// MasterAddress and MasterPort (nccl) are where rank 0's TCPStore
+	// listens: "" means the engine's own address, 0 a free port, fresh on
+	// every init. The disk backend has no rendezvous and refuses them.
+	MasterAddress string
+	MasterPort    int
+	// Timeout bounds the whole init.
+	Timeout  time.Duration
+	Progress *Progress
+}
+
+// InitResult is what an init reports.
+type InitResult struct {
+	// WorldSize is the group: 1 (the trainer) plus every server's world
+	// size with data parallelism.
+	WorldSize int
+	// Group names the group, with how many times it was initialised on
+	// this worker (nccl), so a re-initialisation is visible.
+	Group string
+}
+
+// UpdateRequest loads a checkpoint into the servers.
+type UpdateRequest struct {
+	Target
+	// Checkpoint is an absolute path: a safetensors file, or a directory
+	// of one (single or sharded with model.safetensors.index.json).
+	Checkpoint string
+	// DType is "keep", "bfloat16" or "float16": float32 tensors are
+	// narrowed on the way (nccl only; the disk backend loads as stored).
+	DType string
+	// Version is the weight version the servers record (C, D).
+	Version string
+	// Timeout bounds update_weights; 0 scales it with the checkpoint
+	// (vllm.UpdateTimeoutFor).
+	Timeout time.Duration
+	// InitTimeout bounds the init an update runs first when the group has
+	// none.
+	InitTimeout time.Duration
+	Progress    *Progress
+}
+
+// UpdateResult is what an update reports.
+type UpdateResult struct {
+	Bytes   int64
+	Tensors int
+	Group   string
+	// Initialized says the update had to (re)initialise the group first.
+	Initialized bool
+	// Elapsed is the update itself, without an init it needed first.
+	Elapsed time.Duration
+}
+
+// GroupKey names the group of a target: the run, and the servers in rank
+// order with their generation pins.
+func GroupKey(t Target) string {
+	parts := make([]string, len(t.Fleet))
+	for i, c := range t.Fleet {
+		parts[i] = c.URL()
+		if i < len(t.Pins) && t.Pins[i] != "" {
+			parts[i] += "=" + string(t.Pins[i])
+		}
+	}
+	return t.RunID + "@" + strings.Join(parts, ",")
+}
