@@ -12,7 +12,7 @@ type PauseInput struct {
 	Context pipelines.StepContext `json:"context"`
 	Mode    string                `json:"mode,omitempty"`
 	// Timeout bounds each server's pause (default
-	// pipelines.DefaultControlTimeout, or DefaultRequestTimeout for mode
+	// vllm.DefaultControlTimeout, or DefaultRequestTimeout for mode
 	// wait, which lasts as long as the longest request in flight).
 	Timeout pipelines.Duration `json:"timeout,omitempty"`
 }
@@ -61,11 +61,11 @@ func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, 
 	case in.Mode == vllm.PauseWait && timeout > 0:
 		t.Generate = timeout
 	case in.Mode == vllm.PauseWait:
-		t.Generate = pipelines.DefaultRequestTimeout
+		t.Generate = vllm.DefaultGenerateTimeout
 	case timeout > 0:
 		t.Control = timeout
 	default:
-		t.Control = pipelines.DefaultControlTimeout
+		t.Control = vllm.DefaultControlTimeout
 	}
 	f, err := a.fleet(ctx, pipelines.StepPause, in.Context, t)
 	if err != nil {

@@ -100,7 +100,7 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	var progress transfer.Progress
 	stop := a.reportTransfer(ctx, &progress)
 	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
-		Timeout: in.UpdateTimeout.D(), InitTimeout: pipelines.DefaultInitTimeout, Progress: &progress})
+		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Progress: &progress})
 	stop()
 	if err != nil {
 		return nil, transferError(ctx, step, err)

@@ -188,7 +188,7 @@ func TestTransferDispatch(t *testing.T) {
 	// engine sees the request.
 	assert.Equal(t, filepath.Join(nccl.BaseDir, "x"), fake.update.Checkpoint)
 	assert.Equal(t, "keep", fake.update.DType)
-	assert.Equal(t, pipelines.DefaultInitTimeout, fake.update.InitTimeout)
+	assert.Equal(t, vllm.DefaultInitTimeout, fake.update.InitTimeout)
 	_, err = a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x"})
 	require.NoError(t, err)
 	assert.Equal(t, "run-1/iter-2", fake.update.Version, "the default version")

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rlflow/rlflow/vllm"
 )
 
 func TestArgSpecCheck(t *testing.T) {
@@ -309,17 +311,17 @@ func TestResolveArgs(t *testing.T) {
 	}{
 		{"generate defaults", StepGenerate,
 			&testGenerateInput{Context: ctx, Prompts: "p.jsonl"},
-			testGenerateInput{Context: ctx, Prompts: "p.jsonl", N: 1, MaxTokens: 256, Temperature: ptr(1.0), Concurrency: 64, RequestTimeout: Duration(DefaultRequestTimeout)}, ""},
+			testGenerateInput{Context: ctx, Prompts: "p.jsonl", N: 1, MaxTokens: 256, Temperature: ptr(1.0), Concurrency: 64, RequestTimeout: Duration(vllm.DefaultGenerateTimeout)}, ""},
 		{"generate explicit zeros", StepGenerate,
 			&testGenerateInput{Prompts: "p.jsonl", Temperature: ptr(0.0), Seed: ptr(0), N: 2},
-			testGenerateInput{Prompts: "p.jsonl", N: 2, MaxTokens: 256, Temperature: ptr(0.0), Seed: ptr(0), Concurrency: 64, RequestTimeout: Duration(DefaultRequestTimeout)}, ""},
+			testGenerateInput{Prompts: "p.jsonl", N: 2, MaxTokens: 256, Temperature: ptr(0.0), Seed: ptr(0), Concurrency: 64, RequestTimeout: Duration(vllm.DefaultGenerateTimeout)}, ""},
 		{"generate out of range", StepGenerate,
 			&testGenerateInput{Prompts: "p.jsonl", N: 5000, TopP: 3, Concurrency: -4, MaxTokens: -1, Temperature: ptr(-1.0), Logprobs: -1, RequestTimeout: 1},
 			nil, "n: 5000 is out of range 1..1024; max_tokens: must be >= 1, got -1; temperature: must be >= 0, got -1; top_p: must be > 0 and <= 1, got 3; logprobs: must be >= 0, got -1; concurrency: -4 is out of range 1..1024; request_timeout: must be >= 1ms, got 1ns"},
 		{"generate without prompts", StepGenerate, &testGenerateInput{}, nil, "prompts: is required"},
 		{"evaluate walks the embedded struct", StepEvaluate,
 			&testEvaluateInput{testGenerateInput: testGenerateInput{Prompts: "e.jsonl"}, Scorer: json.RawMessage(`{"type": "exact_match"}`)},
-			testEvaluateInput{testGenerateInput: testGenerateInput{Prompts: "e.jsonl", N: 1, MaxTokens: 256, Temperature: ptr(1.0), Concurrency: 64, RequestTimeout: Duration(DefaultRequestTimeout)}, Scorer: json.RawMessage(`{"type": "exact_match"}`)}, ""},
+			testEvaluateInput{testGenerateInput: testGenerateInput{Prompts: "e.jsonl", N: 1, MaxTokens: 256, Temperature: ptr(1.0), Concurrency: 64, RequestTimeout: Duration(vllm.DefaultGenerateTimeout)}, Scorer: json.RawMessage(`{"type": "exact_match"}`)}, ""},
 		{"evaluate with a null scorer", StepEvaluate,
 			&testEvaluateInput{testGenerateInput: testGenerateInput{Prompts: "e.jsonl"}, Scorer: json.RawMessage(`null`)}, nil, "scorer: is required"},
 		{"evaluate with a list scorer", StepEvaluate,
@@ -332,9 +334,9 @@ func TestResolveArgs(t *testing.T) {
 		{"pause defaults", StepPause, &testPauseInput{},
 			testPauseInput{Mode: "abort"}, ""}, // the timeout depends on the mode: the activity chooses
 		{"pause bad mode", StepPause, &testPauseInput{Mode: "wiat"}, nil, `mode: "wiat" is not one of abort, wait, keep (did you mean "wait"?)`},
-		{"resume defaults", StepResume, &testControlInput{}, testControlInput{Timeout: Duration(DefaultControlTimeout)}, ""},
+		{"resume defaults", StepResume, &testControlInput{}, testControlInput{Timeout: Duration(vllm.DefaultControlTimeout)}, ""},
 		{"init_transfer defaults", StepInitTransfer, &testInitTransferInput{},
-			testInitTransferInput{Timeout: Duration(DefaultInitTimeout)}, ""},
+			testInitTransferInput{Timeout: Duration(vllm.DefaultInitTimeout)}, ""},
 		{"init_transfer port", StepInitTransfer, &testInitTransferInput{MasterPort: 70000}, nil, "master_port: 70000 is out of range 0..65535"},
 		{"broadcast defaults", StepBroadcast, &testBroadcastInput{Checkpoint: "/c"},
 			testBroadcastInput{Checkpoint: "/c", DType: "keep"}, ""},

@@ -44,23 +44,14 @@ const (
 	DefaultPackedNumBuffers  = 2
 )
 
-// Step argument defaults shared by several step types, exported because
-// some steps choose between them at run time (pause: the request timeout
-// for mode wait, else the control timeout).
-const (
-	// DefaultControlTimeout bounds one server's short control call (pause,
-	// resume, is_paused, world_size).
-	DefaultControlTimeout = 30 * time.Second
-	// DefaultRequestTimeout bounds one generation request, and a pause with
-	// mode wait, which lasts as long as the longest request in flight.
-	DefaultRequestTimeout = 10 * time.Minute
-	// DefaultInitTimeout bounds init_transfer (and broadcast's implicit
-	// init): vLLM's 300 s TCPStore rendezvous wait plus NCCL communicator
-	// setup and the warm-up all-reduce.
-	DefaultInitTimeout = 6 * time.Minute
-	// DefaultKillGrace is exec's wait between SIGTERM and SIGKILL.
-	DefaultKillGrace = 10 * time.Second
-)
+// The deadlines of calls to the servers default to the vLLM client's
+// (vllm.DefaultControlTimeout for control steps, DefaultGenerateTimeout
+// for a request and for pause with mode wait, DefaultInitTimeout for
+// init_transfer, vllm.UpdateTimeoutFor for update_weights): the step
+// arguments that set them name those constants rather than copy them.
+
+// DefaultKillGrace is exec's wait between SIGTERM and SIGKILL.
+const DefaultKillGrace = 10 * time.Second
 
 // Bounds of step arguments.
 const (

@@ -1,6 +1,11 @@
 package pipelines
 
-import "strings"
+import (
+	"fmt"
+	"strings"
+
+	"github.com/rlflow/rlflow/vllm"
+)
 
 // The RLHF step types: they talk to the pipeline's vLLM servers (servers:)
 // and move weights to them (weight_transfer:). Their activities live in
@@ -33,16 +38,20 @@ var samplingArgs = []ArgSpec{
 	{Name: "stop", Kind: KindStringList, DefaultDoc: "none", Doc: "stop strings"},
 	{Name: "logprobs", Kind: KindInt, Min: bound(0), Default: int64(0), Doc: "top log-probabilities per token to record; 0 records none"},
 	{Name: "concurrency", Kind: KindInt, Min: bound(1), Max: bound(MaxConcurrency), Default: int64(64), Doc: "requests in flight at once, across all servers"},
-	{Name: "request_timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultRequestTimeout), Doc: "deadline of one request"},
+	{Name: "request_timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(vllm.DefaultGenerateTimeout), Doc: "deadline of one request"},
 	{Name: "output", Kind: KindString, DefaultDoc: "under the worker's data dir: `<data dir>/<run>/iter-<n>/<step>/rollouts.jsonl` (`scores.jsonl` for evaluate)", Doc: "output JSONL path, relative to base_dir"},
 }
 
 // pauseTimeoutDoc: pause waits as long as a request may take with mode
 // wait, so its default depends on the mode.
-var pauseTimeoutDoc = shortDuration(Duration(DefaultControlTimeout)) + ", or " + shortDuration(Duration(DefaultRequestTimeout)) + " with mode wait"
+var pauseTimeoutDoc = shortDuration(Duration(vllm.DefaultControlTimeout)) + ", or " + shortDuration(Duration(vllm.DefaultGenerateTimeout)) + " with mode wait"
+
+// updateTimeoutDoc states vllm.UpdateTimeoutFor's rule.
+var updateTimeoutDoc = fmt.Sprintf("scales with the checkpoint: %s plus 1s per started %s",
+	shortDuration(Duration(vllm.UpdateTimeoutBase)), sizeText(vllm.UpdateTimeoutBytesPerSecond))
 
 // timeoutArg bounds each server's call of a control step.
-var timeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultControlTimeout), Doc: "deadline of each server's call"}
+var timeoutArg = ArgSpec{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(vllm.DefaultControlTimeout), Doc: "deadline of each server's call"}
 
 // validateScorer is evaluate's Validate hook: the scorer object's type,
 // keys and values (a bad regex, a missing url or pattern).
@@ -112,7 +121,7 @@ func init() {
 		Args: []ArgSpec{
 			{Name: "master_address", Kind: KindString, DefaultDoc: "the GPU worker's --advertise address", Doc: "address the trainer's TCPStore binds and the servers connect to (nccl)"},
 			{Name: "master_port", Kind: KindInt, Min: bound(0), Max: bound(65535), Default: int64(0), DefaultDoc: "a free port, fresh on every init", Doc: "TCPStore port (nccl)"},
-			{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(DefaultInitTimeout), Doc: "deadline of the init: vLLM's 300s TCPStore wait plus NCCL setup"},
+			{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(vllm.DefaultInitTimeout), Doc: "deadline of the init: vLLM's 300s TCPStore wait plus NCCL setup"},
 		},
 		Outputs:             []string{"world_size", "backend", "group"},
 		NeedsServers:        true,
@@ -125,7 +134,7 @@ func init() {
 			{Name: "checkpoint", Kind: KindString, Required: true, Doc: "safetensors file or directory (single file or sharded with model.safetensors.index.json), relative to base_dir"},
 			{Name: "version", Kind: KindString, DefaultDoc: "`<run id>/iter-<n>`", Doc: "weight version label"},
 			{Name: "dtype", Kind: KindString, Enum: []string{"keep", "bfloat16", "float16"}, Default: "keep", Doc: "nccl: convert floating tensors to the serving dtype on the way; disk takes only keep"},
-			{Name: "update_timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: "scales with the checkpoint: 60s plus 1s per started 200 MiB", Doc: "deadline of update_weights"},
+			{Name: "update_timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: updateTimeoutDoc, Doc: "deadline of update_weights"},
 			{Name: "verify", Kind: KindBool, Default: false, Doc: "check the servers' weight version afterwards (APIs C and D)"},
 		},
 		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "initialized"},

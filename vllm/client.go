@@ -38,7 +38,8 @@ import (
 	openai "github.com/sashabaranov/go-openai"
 )
 
-// Default phase timeouts; see Timeouts.
+// Default phase timeouts; see Timeouts. They are also the defaults of the
+// step arguments that set them (the pipelines registry names these).
 const (
 	DefaultControlTimeout  = 30 * time.Second
 	DefaultGenerateTimeout = 10 * time.Minute
@@ -58,6 +59,14 @@ const (
 	maxErrorMessage     = 2 << 10
 )
 
+// The update_weights deadline scales with the checkpoint (UpdateTimeoutFor):
+// UpdateTimeoutBase plus one second per started UpdateTimeoutBytesPerSecond
+// bytes.
+const (
+	UpdateTimeoutBase           = 60 * time.Second
+	UpdateTimeoutBytesPerSecond = 200 << 20
+)
+
 // UpdateTimeoutFor scales the update_weights deadline with the checkpoint:
 // 60 s plus 1 s per started 200 MiB (a 16 GiB checkpoint gets 2m22s, a
 // 1.5 TB one a little over 2 h), because a fixed deadline either wedges an
@@ -67,8 +76,8 @@ func UpdateTimeoutFor(checkpointBytes int64) time.Duration {
 	if checkpointBytes <= 0 {
 		return DefaultUpdateTimeout
 	}
-	const per = 200 << 20
-	return 60*time.Second + time.Duration((checkpointBytes+per-1)/per)*time.Second
+	const per = UpdateTimeoutBytesPerSecond
+	return UpdateTimeoutBase + time.Duration((checkpointBytes+per-1)/per)*time.Second
 }
 
 // Timeouts bound each phase of work against a server; a zero field takes the

@@ -295,7 +295,7 @@ func (e *env) ctx() context.Context {
 // the registry's default timeout.
 func (e *env) init(ctx context.Context, mod func(*transfer.InitRequest)) (transfer.InitResult, error) {
 	e.progress = &transfer.Progress{}
-	req := transfer.InitRequest{Target: e.target, Timeout: pipelines.DefaultInitTimeout, Progress: e.progress}
+	req := transfer.InitRequest{Target: e.target, Timeout: vllm.DefaultInitTimeout, Progress: e.progress}
 	if mod != nil {
 		mod(&req)
 	}
@@ -307,7 +307,7 @@ func (e *env) init(ctx context.Context, mod func(*transfer.InitRequest)) (transf
 func (e *env) broadcast(ctx context.Context, ckpt string, iter int, mod func(*transfer.UpdateRequest)) (transfer.UpdateResult, error) {
 	e.progress = &transfer.Progress{}
 	req := transfer.UpdateRequest{Target: e.target, Checkpoint: ckpt, DType: "keep", Version: fmt.Sprintf("run-1/iter-%d", iter),
-		InitTimeout: pipelines.DefaultInitTimeout, Progress: e.progress}
+		InitTimeout: vllm.DefaultInitTimeout, Progress: e.progress}
 	if mod != nil {
 		mod(&req)
 	}

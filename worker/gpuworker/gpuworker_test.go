@@ -117,7 +117,7 @@ func TestTransferStepsBuildTheFleet(t *testing.T) {
 	if len(rec.targets) != 2 || rec.targets[1].Fleet[0].URL() != srv.URL || rec.targets[1].Pins[0] != vllm.GenD {
 		t.Fatalf("targets %+v", rec.targets)
 	}
-	if u := rec.updates[0]; u.Checkpoint != "/c" || u.Version != "v" || u.DType != "keep" || u.InitTimeout != pipelines.DefaultInitTimeout {
+	if u := rec.updates[0]; u.Checkpoint != "/c" || u.Version != "v" || u.DType != "keep" || u.InitTimeout != vllm.DefaultInitTimeout {
 		t.Errorf("update request %+v: want the checkpoint, the version, and the registry's defaults", u)
 	}
 
