@@ -32,8 +32,8 @@ type Options struct {
 
 // RegisterWorkflows registers the interpreter's workflows.
 func RegisterWorkflows(r sdkworker.WorkflowRegistry) {
-	r.RegisterWorkflowWithOptions(workflows.Pipeline, workflow.RegisterOptions{Name: workflows.PipelineWorkflow})
-	r.RegisterWorkflowWithOptions(workflows.Iteration, workflow.RegisterOptions{Name: workflows.IterationWorkflow})
+	r.RegisterWorkflowWithOptions(workflows.RunPipeline, workflow.RegisterOptions{Name: workflows.PipelineWorkflow})
+	r.RegisterWorkflowWithOptions(workflows.RunIteration, workflow.RegisterOptions{Name: workflows.IterationWorkflow})
 }
 
 // RegisterControlActivities registers every control-worker activity under

@@ -23,11 +23,11 @@ type stepRun struct {
 	attempts int
 }
 
-// Iteration runs one pass over the pipeline's DAG. It fails with the first
+// RunIteration runs one pass over the pipeline's DAG. It fails with the first
 // real step error (naming the step) once every started step and every
 // `always` step has finished. Cancellation cancels running steps, still runs
 // `always` steps, and ends the workflow cancelled.
-func Iteration(ctx workflow.Context, in IterationInput) (*IterationResult, error) {
+func RunIteration(ctx workflow.Context, in IterationInput) (*IterationResult, error) {
 	if in.Spec == nil {
 		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", pipelines.ErrTypeBadInput, nil)
 	}

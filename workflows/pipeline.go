@@ -15,10 +15,10 @@ import (
 // returns): enough to read a trend, small enough for any payload limit.
 const RecentIterations = 10
 
-// Pipeline runs a pipeline's loop: one Iteration child workflow per
+// RunPipeline runs a pipeline's loop: one RunIteration child workflow per
 // iteration, `until` checked after each, continue-as-new every
 // Loop.ContinueAsNewEvery iterations.
-func Pipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
+func RunPipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
 	logger := workflow.GetLogger(ctx)
 	if in.Spec == nil {
 		if in.SpecPath == "" {

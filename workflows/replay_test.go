@@ -47,8 +47,8 @@ func TestReplayCheckedInHistories(t *testing.T) {
 			hist, err := client.HistoryFromJSON(f, client.HistoryJSONOptions{})
 			require.NoError(t, err)
 			r := worker.NewWorkflowReplayer()
-			r.RegisterWorkflowWithOptions(Pipeline, workflow.RegisterOptions{Name: PipelineWorkflow})
-			r.RegisterWorkflowWithOptions(Iteration, workflow.RegisterOptions{Name: IterationWorkflow})
+			r.RegisterWorkflowWithOptions(RunPipeline, workflow.RegisterOptions{Name: PipelineWorkflow})
+			r.RegisterWorkflowWithOptions(RunIteration, workflow.RegisterOptions{Name: IterationWorkflow})
 			// Child ids derive from the workflow id, so replay under the original one.
 			require.NoError(t, r.ReplayWorkflowHistoryWithOptions(nil, hist, worker.ReplayWorkflowHistoryOptions{
 				OriginalExecution: workflow.Execution{ID: id},

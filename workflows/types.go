@@ -1,15 +1,18 @@
 // Package workflows is rlflow's deterministic pipeline interpreter.
 //
-// Pipeline is the long-running parent: it owns the loop, starts one Iteration
-// child workflow per iteration, evaluates `until`, and continues as new every
+// RunPipeline (registered as rlflow.Pipeline) is the long-running parent:
+// it owns the loop, starts one RunIteration (rlflow.Iteration) child
+// workflow per iteration, evaluates `until`, and continues as new every
 // Loop.ContinueAsNewEvery iterations so that its history stays bounded.
-// Iteration runs one pass over the step DAG, calling activities by their
+// RunIteration runs one pass over the step DAG, calling activities by their
 // registered name (the step's `uses`).
 //
 // Invariants: workflow code here never performs I/O, never reads the clock
 // or randomness except through the workflow API, and iterates maps only in
-// sorted order. It imports activity names and I/O shapes, never activity
-// implementations. Payloads carry paths, ids and small metrics only.
+// sorted order (make lint runs Temporal's workflowcheck on it). It imports
+// only pipelines: activities are called by name with the rendered `with`,
+// error types and defaults come from the pipelines registry. Payloads carry
+// paths, ids and small metrics only.
 package workflows
 
 import (

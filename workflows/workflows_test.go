@@ -122,8 +122,8 @@ func newEnv(t *testing.T, f *fakeSteps) *testsuite.TestWorkflowEnvironment {
 	t.Helper()
 	var s suite
 	env := s.NewTestWorkflowEnvironment()
-	env.RegisterWorkflowWithOptions(Pipeline, workflow.RegisterOptions{Name: PipelineWorkflow})
-	env.RegisterWorkflowWithOptions(Iteration, workflow.RegisterOptions{Name: IterationWorkflow})
+	env.RegisterWorkflowWithOptions(RunPipeline, workflow.RegisterOptions{Name: PipelineWorkflow})
+	env.RegisterWorkflowWithOptions(RunIteration, workflow.RegisterOptions{Name: IterationWorkflow})
 	env.RegisterActivityWithOptions(f.run, activity.RegisterOptions{Name: "step"})
 	env.SetTestTimeout(30 * time.Second)
 	return env

@@ -4,7 +4,7 @@
 //
 // Invariants:
 //
-//   - Everything derives from one ordered []Tensor: the metadata (UpdateInfo)
+//   - Everything derives from one ordered []Tensor: the metadata (TensorMetadata)
 //     and the broadcast sequence (Packed or NonPacked) list the same tensors
 //     in the same order, so a receiver never waits for bytes that do not come.
 //   - Packed implements vLLM's rule exactly: append a tensor to the current
@@ -93,8 +93,8 @@ func Validate(tensors []Tensor) error {
 	return nil
 }
 
-// Chunk is one packed broadcast.
-type Chunk struct {
+// PackedChunk is one packed broadcast.
+type PackedChunk struct {
 	Tensors []int   // indices into the tensor list, ascending and consecutive
 	Offsets []int64 // byte offset of each tensor within the chunk
 	Size    int64   // total bytes: the ncclBroadcast count (ncclUint8)
@@ -103,16 +103,16 @@ type Chunk struct {
 // Packed groups tensors into chunks for packed transfer with threshold T =
 // packed_buffer_size_bytes (see the package comment for the rule). A tensor
 // larger than T is a chunk by itself. It does not validate; see Validate.
-func Packed(tensors []Tensor, threshold int64) []Chunk {
-	var chunks []Chunk
-	var cur Chunk
+func Packed(tensors []Tensor, threshold int64) []PackedChunk {
+	var chunks []PackedChunk
+	var cur PackedChunk
 	for i, t := range tensors {
 		cur.Tensors = append(cur.Tensors, i)
 		cur.Offsets = append(cur.Offsets, cur.Size)
 		cur.Size += t.Size
 		if cur.Size > threshold {
 			chunks = append(chunks, cur)
-			cur = Chunk{}
+			cur = PackedChunk{}
 		}
 	}
 	if len(cur.Tensors) > 0 {
@@ -170,8 +170,8 @@ func NonPacked(tensors []Tensor) ([]Broadcast, error) {
 	return out, nil
 }
 
-// UpdateInfo is the part of update_info every API generation takes.
-type UpdateInfo struct {
+// TensorMetadata is the part of update_info every API generation takes.
+type TensorMetadata struct {
 	Names      []string  `json:"names"`
 	DTypeNames []string  `json:"dtype_names"`
 	Shapes     [][]int64 `json:"shapes"`
@@ -185,13 +185,13 @@ type PackedFields struct {
 	NumBuffers      int   `json:"packed_num_buffers"`
 }
 
-// NewUpdateInfo builds the metadata from the same list the broadcasts are
+// NewTensorMetadata builds the metadata from the same list the broadcasts are
 // planned from, after Validate. Shapes are never null in JSON (a scalar is []).
-func NewUpdateInfo(tensors []Tensor) (UpdateInfo, error) {
+func NewTensorMetadata(tensors []Tensor) (TensorMetadata, error) {
 	if err := Validate(tensors); err != nil {
-		return UpdateInfo{}, err
+		return TensorMetadata{}, err
 	}
-	u := UpdateInfo{
+	u := TensorMetadata{
 		Names:      make([]string, len(tensors)),
 		DTypeNames: make([]string, len(tensors)),
 		Shapes:     make([][]int64, len(tensors)),

@@ -20,7 +20,7 @@ func u8s(sizes ...int64) []Tensor {
 	return ts
 }
 
-func groups(chunks []Chunk) [][]int {
+func groups(chunks []PackedChunk) [][]int {
 	out := [][]int{}
 	for _, c := range chunks {
 		out = append(out, c.Tensors)
@@ -66,7 +66,7 @@ func TestPackedBoundaries(t *testing.T) {
 
 // checkChunks checks offsets and sizes: back to back, no padding, every
 // tensor exactly once in order.
-func checkChunks(t *testing.T, ts []Tensor, chunks []Chunk) {
+func checkChunks(t *testing.T, ts []Tensor, chunks []PackedChunk) {
 	t.Helper()
 	next := 0
 	for ci, c := range chunks {
@@ -283,7 +283,7 @@ func TestUpdateInfo(t *testing.T) {
 		{Name: "model.w", DType: "bfloat16", Shape: []int64{2, 3}, Size: 12},
 		{Name: "scale", DType: "float32", Shape: nil, Size: 4},
 	}
-	u, err := NewUpdateInfo(ts)
+	u, err := NewTensorMetadata(ts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +297,7 @@ func TestUpdateInfo(t *testing.T) {
 	}
 	ts[0].Shape[0] = 99 // the metadata does not alias the input
 	if u.Shapes[0][0] != 2 {
-		t.Error("UpdateInfo aliases the tensor list")
+		t.Error("TensorMetadata aliases the tensor list")
 	}
 }
 
@@ -318,8 +318,8 @@ func TestValidate(t *testing.T) {
 		if err := Validate(tc.ts); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want %q", tc.name, err, tc.want)
 		}
-		if _, err := NewUpdateInfo(tc.ts); err == nil {
-			t.Errorf("%s: NewUpdateInfo accepted", tc.name)
+		if _, err := NewTensorMetadata(tc.ts); err == nil {
+			t.Errorf("%s: NewTensorMetadata accepted", tc.name)
 		}
 	}
 	if err := Validate([]Tensor{{Name: "z", DType: "bool", Shape: []int64{0, 1 << 62, 1 << 62}, Size: 0}}); err != nil {

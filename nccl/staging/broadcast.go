@@ -13,7 +13,7 @@ import (
 // copy of chunk k+1 while chunk k is on the wire. comm must live on the
 // pipeline's device. Any failure aborts comm (the receivers could not get
 // the rest of the sequence anyway) and the pipeline stays usable.
-func (p *Pipeline) Broadcast(ctx context.Context, comm *nccl.Comm, src Source, chunks []Chunk) (Result, error) {
+func (p *Stager) Broadcast(ctx context.Context, comm *nccl.Comm, src Source, chunks []Chunk) (Result, error) {
 	if comm.Device().Ordinal() != p.dev.Ordinal() {
 		return Result{}, fmt.Errorf("staging: communicator on device %d, pipeline on device %d", comm.Device().Ordinal(), p.dev.Ordinal())
 	}
@@ -29,11 +29,11 @@ func (p *Pipeline) Broadcast(ctx context.Context, comm *nccl.Comm, src Source, c
 
 // Stage copies the chunks from src to the device buffers and nothing else:
 // the checkpoint -> device throughput, without NCCL.
-func (p *Pipeline) Stage(ctx context.Context, src Source, chunks []Chunk) (Result, error) {
+func (p *Stager) Stage(ctx context.Context, src Source, chunks []Chunk) (Result, error) {
 	return p.run(ctx, p.dev, nil, src, chunks)
 }
 
-func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, src Source, chunks []Chunk) (res Result, err error) {
+func (p *Stager) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, src Source, chunks []Chunk) (res Result, err error) {
 	if p.broken != nil {
 		return res, fmt.Errorf("staging: pipeline unusable: %w", p.broken)
 	}
@@ -176,7 +176,7 @@ func (p *Pipeline) run(ctx context.Context, dev *nccl.Device, comm *nccl.Comm, s
 	return res, nil
 }
 
-func (p *Pipeline) elapsed(ctx context.Context, dev *nccl.Device, a, b nccl.Event) time.Duration {
+func (p *Stager) elapsed(ctx context.Context, dev *nccl.Device, a, b nccl.Event) time.Duration {
 	var d time.Duration
 	_ = dev.Do(ctx, func(api nccl.API) error {
 		var err error
@@ -189,7 +189,7 @@ func (p *Pipeline) elapsed(ctx context.Context, dev *nccl.Device, a, b nccl.Even
 // drain waits (bounded) for the copy stream after a failure, so that the
 // buffers can be reused or freed. In broadcast mode the communicator is
 // aborted first: its kernels exit, which releases copies waiting on them.
-func (p *Pipeline) drain(dev *nccl.Device, comm *nccl.Comm, cause error) {
+func (p *Stager) drain(dev *nccl.Device, comm *nccl.Comm, cause error) {
 	if comm != nil {
 		comm.Abort(cause)
 	}

@@ -38,7 +38,7 @@ func stageAll(t *testing.T, f *nccltest.Fake, ck *safetensors.Checkpoint, src So
 	}
 	defer dev.Close()
 	opts.Buffers = len(chunks)
-	p, err := New(context.Background(), dev, MaxChunk(chunks), opts)
+	p, err := NewStager(context.Background(), dev, MaxChunk(chunks), opts)
 	if err != nil {
 		t.Fatal(err)
 	}

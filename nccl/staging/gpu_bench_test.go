@@ -181,7 +181,7 @@ func stageConfigs() []stageConfig {
 // verifyDevice copies each device buffer back and compares it with the
 // chunk Stage left in it (the last len(devb) chunks): the strategies are
 // byte-exact on the real GPU, not only through the Fake.
-func verifyDevice(dev *nccl.Device, p *Pipeline, ck *safetensors.Checkpoint, chunks []Chunk, scratch []byte) error {
+func verifyDevice(dev *nccl.Device, p *Stager, ck *safetensors.Checkpoint, chunks []Chunk, scratch []byte) error {
 	n := len(p.devb)
 	for k := max(len(chunks)-n, 0); k < len(chunks); k++ {
 		c := chunks[k]
@@ -317,7 +317,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 		}
 		defer func() { ck.Close() }()
 		chunks := gpuLayout(t, ck, c.packed, c.threshold, false).Chunks
-		p, err := New(context.Background(), dev, MaxChunk(chunks), c.opts)
+		p, err := NewStager(context.Background(), dev, MaxChunk(chunks), c.opts)
 		if err != nil {
 			return nil, opts, fmt.Errorf("new pipeline: %w", err)
 		}
@@ -447,7 +447,7 @@ func benchStage(t *testing.T, lib nccl.API, path string, ceilingBytes int) {
 	figure(t, "stage.best.GBps", best.gbps)
 	figure(t, "stage.best.ratio_to_ceiling", best.gbps/ceiling)
 	if def != nil {
-		// What a Pipeline built with zero Options does: the figure the
+		// What a Stager built with zero Options does: the figure the
 		// acceptance target is about.
 		dpct := 100 * def.gbps / ceiling
 		dmet := "met"
@@ -527,7 +527,7 @@ func TestGPUBenchE2E(t *testing.T) {
 		t.Fatal(err)
 	}
 	chunks := gpuLayout(t, ck, true, threshold, false).Chunks
-	pipe, err := New(ctx, comm.Device(), MaxChunk(chunks), Options{})
+	pipe, err := NewStager(ctx, comm.Device(), MaxChunk(chunks), Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -578,7 +578,7 @@ func TestGPUBenchE2E(t *testing.T) {
 	figure(t, "e2e.ratio_go_transfer_over_torch_broadcast", goBW/torchBW)
 	fmt.Printf("GPU-FIGURE e2e bus bandwidth, world %d, %s placement: go stage+broadcast %.2f GB/s, torch cat+broadcast (checkpoint already on the GPU) %.2f GB/s: ratio %.2f\n",
 		pl.World, pl.Mode, goBW, torchBW, goBW/torchBW)
-	fmt.Printf("GPU-FIGURE e2e %d bytes packed T=1GiB: go %.3fs (%.2f GB/s; %.3fs without opening the checkpoint and allocating the pinned buffers, which a reused Pipeline skips), torch %.3fs (load %.3fs + broadcast %.3fs): go is %.2fx torch\n",
+	fmt.Printf("GPU-FIGURE e2e %d bytes packed T=1GiB: go %.3fs (%.2f GB/s; %.3fs without opening the checkpoint and allocating the pinned buffers, which a reused Stager skips), torch %.3fs (load %.3fs + broadcast %.3fs): go is %.2fx torch\n",
 		res.Bytes, goSecs, float64(res.Bytes)/goSecs/1e9, res.Wall.Seconds(), torchSecs, num(tres, "load_seconds"), num(tres, "broadcast_seconds"), torchSecs/goSecs)
 }
 

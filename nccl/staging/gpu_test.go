@@ -216,7 +216,7 @@ func gpuLayout(t *testing.T, ck *safetensors.Checkpoint, packed bool, threshold 
 // shapes from Update.UpdateInfo, plus the packed fields) for the receivers.
 func writeMeta(t *testing.T, ckptPath string, u Update) string {
 	t.Helper()
-	info, err := u.UpdateInfo()
+	info, err := u.Metadata()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -458,7 +458,7 @@ func TestGPUBroadcastToReceivers(t *testing.T) {
 			}
 			defer comm.Close(context.Background())
 			rdv := time.Since(t0)
-			pipe, err := New(ctx, comm.Device(), MaxChunk(chunks), Options{})
+			pipe, err := NewStager(ctx, comm.Device(), MaxChunk(chunks), Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -508,7 +508,7 @@ func TestGPUKilledReceiver(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer comm.Close(context.Background())
-	pipe, err := New(ctx, comm.Device(), MaxChunk(chunks), Options{})
+	pipe, err := NewStager(ctx, comm.Device(), MaxChunk(chunks), Options{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,7 +23,7 @@ const timeEvery = 16
 // buffer on the copy stream, with after recorded behind them if it is not
 // 0. One window in timeEvery is timed (an event before and after the
 // copies).
-func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfer, after nccl.Event) error {
+func (p *Stager) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfer, after nccl.Event) error {
 	return dev.Do(ctx, func(api nccl.API) error {
 		timed := p.used[slot]%timeEvery == 0
 		t := p.timed[slot]
@@ -69,7 +69,7 @@ func (p *Pipeline) h2d(ctx context.Context, dev *nccl.Device, slot int, xs []xfe
 // last chunk, of chunkBytes bytes (every one of them went through h2d),
 // from its timed windows (all complete: the caller waited for the slot's
 // h2dDone).
-func (p *Pipeline) h2dTime(ctx context.Context, dev *nccl.Device, slot int, chunkBytes int64) time.Duration {
+func (p *Stager) h2dTime(ctx context.Context, dev *nccl.Device, slot int, chunkBytes int64) time.Duration {
 	var sum time.Duration
 	_ = dev.Do(ctx, func(api nccl.API) error {
 		for w := 0; w < p.timed[slot]; w++ {
@@ -97,7 +97,7 @@ type copyOut struct {
 // copyRange stages bytes [from, to) of chunk c through the pinned ring into
 // slot's device buffer, each window copied to the device as soon as its
 // ring slot is filled.
-func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, c Chunk, slot int, from, to int64) (out copyOut) {
+func (p *Stager) copyRange(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, c Chunk, slot int, from, to int64) (out copyOut) {
 	t := time.Now()
 	// A named result: the deferred assignment must reach the caller.
 	defer func() { out.hostCopy = time.Since(t) }()
@@ -130,7 +130,7 @@ func (p *Pipeline) copyRange(ctx context.Context, dev *nccl.Device, query eventD
 
 // stageChunk issues chunk c's host-to-device copies into slot, through the
 // pinned ring. It returns once every copy is enqueued.
-func (p *Pipeline) stageChunk(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, c Chunk, slot int, res *Result) error {
+func (p *Stager) stageChunk(ctx context.Context, dev *nccl.Device, query eventDone, cp *hostCopier, c Chunk, slot int, res *Result) error {
 	o := p.copyRange(ctx, dev, query, cp, c, slot, 0, c.Bytes)
 	res.Windows += o.windows
 	res.Copied += o.copied

@@ -28,7 +28,7 @@ var DefaultOptions = Options{
 	CleanupTimeout:  30 * time.Second,
 }
 
-// Options tune a Pipeline. Zero values take DefaultOptions' values.
+// Options tune a Stager. Zero values take DefaultOptions' values.
 type Options struct {
 	// Buffers is the number of device buffers N, each as large as the
 	// largest chunk (default 2: chunk k is broadcast while chunk k+1 is

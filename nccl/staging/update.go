@@ -18,8 +18,8 @@ type Update struct {
 	Threshold int64 // packed_buffer_size_bytes when Packed
 }
 
-// UpdateInfo is update_info's names, dtype_names and shapes for u.
-func (u Update) UpdateInfo() (plan.UpdateInfo, error) { return plan.NewUpdateInfo(u.Tensors) }
+// Metadata is update_info's names, dtype_names and shapes for u.
+func (u Update) Metadata() (plan.TensorMetadata, error) { return plan.NewTensorMetadata(u.Tensors) }
 
 // Bytes is the size of the update on the wire.
 func (u Update) Bytes() int64 { return plan.TotalBytes(u.Tensors) }

@@ -28,7 +28,7 @@ func TestPlanMatchesOracle(t *testing.T) {
 		if !reflect.DeepEqual(u.Chunks, want) {
 			t.Fatalf("%+v: Plan and the oracle differ:\n%+v\n%+v", tc, u.Chunks, want)
 		}
-		info, err := u.UpdateInfo()
+		info, err := u.Metadata()
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -112,7 +112,7 @@ type group struct {
 	master      string
 	packing     packing
 	pipeDev     *nccl.Device
-	pipe        *staging.Pipeline
+	pipe        *staging.Stager
 	pipeBuffers int
 	retired     bool // removed from the registry; the next user gets a new group
 
@@ -469,7 +469,7 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 	if err != nil {
 		return transfer.UpdateResult{}, transfer.BadInputf("broadcast of %s: %v", req.Checkpoint, err)
 	}
-	meta, err := u.UpdateInfo()
+	meta, err := u.Metadata()
 	if err != nil {
 		return transfer.UpdateResult{}, transfer.BadInputf("broadcast of %s: %v", req.Checkpoint, err)
 	}
@@ -559,7 +559,7 @@ func (e *Engine) ensurePipeline(ctx context.Context, g *group, need int64, numBu
 		// This worker's GPU is unusable: another GPU worker must take over.
 		return transfer.Errorf(transfer.DeviceLost, err, "open device %d%s", e.cfg.Device, e.healthNote())
 	}
-	p, err := staging.New(ctx, dev, need, opts)
+	p, err := staging.NewStager(ctx, dev, need, opts)
 	if err != nil {
 		dev.Close()
 		return transfer.Errorf(transfer.NCCLFailed, err, "staging buffers")

@@ -7,11 +7,11 @@ import (
 	"github.com/rlflow/rlflow/nccl"
 )
 
-// Pipeline owns a ring of pinned host slots, N device buffers, a copy stream and
+// Stager owns a ring of pinned host slots, N device buffers, a copy stream and
 // the events that order them, all on one device. It runs one transfer at a
 // time (not safe for concurrent runs) and can be reused across updates and
 // across communicators of the same device.
-type Pipeline struct {
+type Stager struct {
 	dev   *nccl.Device // the actor that allocated, and frees, the resources
 	opts  Options
 	size  int64
@@ -32,15 +32,15 @@ type Pipeline struct {
 	broken        error // set when in-flight work could not be drained
 }
 
-// New allocates a pipeline whose buffers carry chunks of up to bufferBytes
+// NewStager allocates a stager whose buffers carry chunks of up to bufferBytes
 // on dev's device, after checking the device has the memory (a clear error
 // instead of a failed cudaMalloc halfway).
-func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options) (*Pipeline, error) {
+func NewStager(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options) (*Stager, error) {
 	opts = opts.withDefaults()
 	if bufferBytes <= 0 {
 		bufferBytes = 1
 	}
-	p := &Pipeline{dev: dev, opts: opts, size: bufferBytes}
+	p := &Stager{dev: dev, opts: opts, size: bufferBytes}
 	n := opts.Buffers
 	err := dev.Do(ctx, func(api nccl.API) error {
 		free, total, err := api.MemGetInfo()
@@ -102,15 +102,15 @@ func New(ctx context.Context, dev *nccl.Device, bufferBytes int64, opts Options)
 }
 
 // BufferBytes is the capacity of each buffer.
-func (p *Pipeline) BufferBytes() int64 { return p.size }
+func (p *Stager) BufferBytes() int64 { return p.size }
 
 // Options are the pipeline's options with the defaults filled in.
-func (p *Pipeline) Options() Options { return p.opts }
+func (p *Stager) Options() Options { return p.opts }
 
 // Err is non-nil once a failure left copies that could not be drained: the
 // pipeline then refuses every run and should be closed and replaced. Call it
 // between runs, not during one.
-func (p *Pipeline) Err() error {
+func (p *Stager) Err() error {
 	if p.broken != nil {
 		return fmt.Errorf("staging: pipeline unusable: %w", p.broken)
 	}
@@ -120,11 +120,11 @@ func (p *Pipeline) Err() error {
 // Close frees every resource. After a failure whose copies could not be
 // drained it frees only what cannot be in use (the device memory is then
 // leaked on purpose: cudaFree would wait on the stuck work).
-func (p *Pipeline) Close(ctx context.Context) error {
+func (p *Stager) Close(ctx context.Context) error {
 	return p.release(ctx)
 }
 
-func (p *Pipeline) release(ctx context.Context) error {
+func (p *Stager) release(ctx context.Context) error {
 	return p.dev.Do(ctx, func(api nccl.API) error {
 		var first error
 		keep := func(err error) {

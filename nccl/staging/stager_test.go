@@ -141,7 +141,7 @@ func wireBytes(t testing.TB, ck *safetensors.Checkpoint, c Chunk) []byte {
 type env struct {
 	fake *nccltest.Fake
 	comm *nccl.Comm
-	pipe *Pipeline
+	pipe *Stager
 }
 
 func setup(t *testing.T, cfg nccltest.Config, bufBytes int64, opts Options) *env {
@@ -153,7 +153,7 @@ func setup(t *testing.T, cfg nccltest.Config, bufBytes int64, opts Options) *env
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := New(context.Background(), c.Device(), bufBytes, opts)
+	p, err := NewStager(context.Background(), c.Device(), bufBytes, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,7 +354,7 @@ func TestStageOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dev.Close()
-	p, err := New(context.Background(), dev, MaxChunk(chunks), Options{})
+	p, err := NewStager(context.Background(), dev, MaxChunk(chunks), Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -448,7 +448,7 @@ func TestBufferAndMemoryChecks(t *testing.T) {
 	f := nccltest.NewFake(nccltest.Config{DeviceMemory: 300 << 20})
 	dev, _ := nccl.OpenDevice(f, 0)
 	defer dev.Close()
-	_, err := New(context.Background(), dev, 64<<20, Options{Buffers: 2})
+	_, err := NewStager(context.Background(), dev, 64<<20, Options{Buffers: 2})
 	if err == nil || !strings.Contains(err.Error(), "free") {
 		t.Fatalf("want a free-memory error, got %v", err)
 	}
@@ -513,7 +513,7 @@ func TestReceiverGetsBytesAndDeathIsAnError(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p, err := New(ctx, c.Device(), MaxChunk(chunks), Options{})
+			p, err := NewStager(ctx, c.Device(), MaxChunk(chunks), Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
