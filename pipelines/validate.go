@@ -451,18 +451,9 @@ func (l *loader) argKind(a ArgSpec, v any, path string) (any, bool) {
 		}
 		good := true
 		for i, e := range list {
-			p := indexPath(path, i)
-			if s, isStr := e.(string); isStr && strings.Contains(s, "${{") || l.bad[p] {
-				good = good && !l.bad[p]
-				continue
-			}
-			s, ok := l.argText(e, p)
-			if !ok {
-				l.errPath(p, "must be a string, got %s", l.describeAt(p, e))
-				good = false
-				continue
-			}
-			list[i] = s
+			var ok bool
+			list[i], ok = l.elementText(e, indexPath(path, i))
+			good = good && ok
 		}
 		return list, good
 	case KindStringMap:
@@ -472,18 +463,9 @@ func (l *loader) argKind(a ArgSpec, v any, path string) (any, bool) {
 		}
 		good := true
 		for k, e := range m {
-			p := joinPath(path, k)
-			if s, isStr := e.(string); isStr && strings.Contains(s, "${{") || l.bad[p] {
-				good = good && !l.bad[p]
-				continue
-			}
-			s, ok := l.argText(e, p)
-			if !ok {
-				l.errPath(p, "must be a string, got %s", l.describeAt(p, e))
-				good = false
-				continue
-			}
-			m[k] = s
+			var ok bool
+			m[k], ok = l.elementText(e, joinPath(path, k))
+			good = good && ok
 		}
 		return m, good
 	case KindObject:
@@ -495,6 +477,22 @@ func (l *loader) argKind(a ArgSpec, v any, path string) (any, bool) {
 	}
 	l.errPath(path, "must be %s, got %s", kindWant(a.Kind), l.describeAt(path, v))
 	return nil, false
+}
+
+// elementText checks one element of a string list or map argument at
+// path p: an expression, or an element whose YAML was already reported,
+// stays as it is; any other scalar becomes the text written. It reports
+// whether the element is good.
+func (l *loader) elementText(e any, p string) (any, bool) {
+	if s, isStr := e.(string); isStr && strings.Contains(s, "${{") || l.bad[p] {
+		return e, !l.bad[p]
+	}
+	s, ok := l.argText(e, p)
+	if !ok {
+		l.errPath(p, "must be a string, got %s", l.describeAt(p, e))
+		return e, false
+	}
+	return s, true
 }
 
 // describeAt describes a free-form value by its YAML node, which shows it

@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"slices"
 	"sort"
 	"strings"
 )
@@ -20,11 +19,10 @@ const IndexFile = "model.safetensors.index.json"
 // a sharded directory with an index, or a directory of *.safetensors files.
 // Tensor names are unique across the whole checkpoint.
 type Checkpoint struct {
-	files   []*File
-	byPath  map[string]*File
-	tensors []TensorInfo
-	byName  map[string]int
-	total   int64
+	tensorIndex // checkpoint order: file by file, each in data-offset order
+	files       []*File
+	byPath      map[string]*File
+	total       int64
 }
 
 // OpenCheckpoint opens path, which is one of:
@@ -114,7 +112,7 @@ func closeAll(files []*File) {
 
 // newCheckpoint takes ownership of files (closing them on error).
 func newCheckpoint(files []*File) (*Checkpoint, error) {
-	c := &Checkpoint{files: files, byPath: map[string]*File{}, byName: map[string]int{}}
+	c := &Checkpoint{files: files, byPath: map[string]*File{}, tensorIndex: newTensorIndex(0)}
 	for _, f := range files {
 		c.byPath[f.path] = f
 		for _, t := range f.tensors {
@@ -122,8 +120,7 @@ func newCheckpoint(files []*File) (*Checkpoint, error) {
 				closeAll(files)
 				return nil, fmt.Errorf("safetensors: tensor %q is in both %s and %s", t.Name, c.tensors[j].File, t.File)
 			}
-			c.byName[t.Name] = len(c.tensors)
-			c.tensors = append(c.tensors, t)
+			c.add(t)
 			c.total += t.Size
 		}
 	}
@@ -237,27 +234,6 @@ func (c *Checkpoint) Files() []string {
 		out[i] = f.path
 	}
 	return out
-}
-
-// Tensors lists every tensor in checkpoint order (a copy).
-func (c *Checkpoint) Tensors() []TensorInfo {
-	out := make([]TensorInfo, len(c.tensors))
-	for i, t := range c.tensors {
-		t.Shape = slices.Clone(t.Shape)
-		out[i] = t
-	}
-	return out
-}
-
-// Tensor looks a tensor up by name.
-func (c *Checkpoint) Tensor(name string) (TensorInfo, bool) {
-	i, ok := c.byName[name]
-	if !ok {
-		return TensorInfo{}, false
-	}
-	t := c.tensors[i]
-	t.Shape = slices.Clone(t.Shape)
-	return t, true
 }
 
 // Bytes returns the tensor's bytes (zero-copy, valid until Close). t must be

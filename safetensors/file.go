@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"os"
-	"slices"
 	"sync"
 	"syscall"
 )
@@ -24,13 +23,12 @@ type TensorInfo struct {
 // File is an open, validated safetensors file mapped read-only into memory.
 // Its methods are safe for concurrent use.
 type File struct {
-	path     string
-	mu       sync.RWMutex
-	data     []byte // the whole mapping; nil once closed
-	hdr      *header
-	byName   map[string]int
-	tensors  []TensorInfo
-	metadata map[string]string
+	tensorIndex // data-offset order
+	path        string
+	mu          sync.RWMutex
+	data        []byte // the whole mapping; nil once closed
+	hdr         *header
+	metadata    map[string]string
 }
 
 // Open maps path and validates its header. The mapping stays valid until Close.
@@ -63,16 +61,9 @@ func Open(path string) (*File, error) {
 		_ = syscall.Munmap(data)
 		return nil, err
 	}
-	sf := &File{
-		path:     path,
-		data:     data,
-		hdr:      hdr,
-		byName:   make(map[string]int, len(hdr.tensors)),
-		tensors:  hdr.tensors,
-		metadata: hdr.metadata,
-	}
-	for i, t := range hdr.tensors {
-		sf.byName[t.Name] = i
+	sf := &File{tensorIndex: newTensorIndex(len(hdr.tensors)), path: path, data: data, hdr: hdr, metadata: hdr.metadata}
+	for _, t := range hdr.tensors {
+		sf.add(t)
 	}
 	return sf, nil
 }
@@ -82,27 +73,6 @@ func (f *File) Path() string { return f.path }
 
 // HeaderSize is the length of the JSON header (the u64 at the start of the file).
 func (f *File) HeaderSize() int64 { return f.hdr.size }
-
-// Tensors lists the tensors in data-offset order. The result is a copy.
-func (f *File) Tensors() []TensorInfo {
-	out := make([]TensorInfo, len(f.tensors))
-	for i, t := range f.tensors {
-		t.Shape = slices.Clone(t.Shape)
-		out[i] = t
-	}
-	return out
-}
-
-// Tensor looks a tensor up by name.
-func (f *File) Tensor(name string) (TensorInfo, bool) {
-	i, ok := f.byName[name]
-	if !ok {
-		return TensorInfo{}, false
-	}
-	t := f.tensors[i]
-	t.Shape = slices.Clone(t.Shape)
-	return t, true
-}
 
 // Metadata returns a copy of the header's "__metadata__" map (empty if absent).
 func (f *File) Metadata() map[string]string {

@@ -49,12 +49,9 @@ same paths as the pipeline's base_dir.`,
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			return startAndFollow(ctx, c, g, spec, values, id, ui, wait, cmd.OutOrStdout())
+			return g.withClient(ctx, func(c client.Client) error {
+				return startAndFollow(ctx, c, g, spec, values, id, ui, wait, cmd.OutOrStdout())
+			})
 		},
 	}
 	f := cmd.Flags()
@@ -108,21 +105,17 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 		Short: "Show a run's iteration, each step's state, attempts and last error",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			st, err := runs.GetStatus(ctx, c, args[0], "")
-			if err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			if asJSON {
-				return writeJSON(cmd.OutOrStdout(), st)
-			}
-			runs.PrintStatus(cmd.OutOrStdout(), st)
-			return nil
+			return g.withClient(cmd.Context(), func(c client.Client) error {
+				st, err := runs.GetStatus(cmd.Context(), c, args[0], "")
+				if err != nil {
+					return &exitError{code: 1, err: err}
+				}
+				if asJSON {
+					return writeJSON(cmd.OutOrStdout(), st)
+				}
+				runs.PrintStatus(cmd.OutOrStdout(), st)
+				return nil
+			})
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")

@@ -30,20 +30,17 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 			if err != nil {
 				return &exitError{code: 1, err: err}
 			}
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			sa, _ := runs.EnsureSearchAttributes(ctx, c, g.namespace)
-			if err := runs.CreateSchedule(ctx, c, runs.ScheduleOptions{
-				ID: args[0], Spec: spec, Params: values, Cron: cron, Every: every, TaskQueue: g.taskQueue,
-				AllowOverlap: allowOverlap, Paused: paused, SearchAttributes: sa,
-			}); err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "schedule %s created for pipeline %s\n", args[0], spec.Name)
-			return nil
+			return g.withClient(ctx, func(c client.Client) error {
+				sa, _ := runs.EnsureSearchAttributes(ctx, c, g.namespace)
+				if err := runs.CreateSchedule(ctx, c, runs.ScheduleOptions{
+					ID: args[0], Spec: spec, Params: values, Cron: cron, Every: every, TaskQueue: g.taskQueue,
+					AllowOverlap: allowOverlap, Paused: paused, SearchAttributes: sa,
+				}); err != nil {
+					return &exitError{code: 1, err: err}
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "schedule %s created for pipeline %s\n", args[0], spec.Name)
+				return nil
+			})
 		},
 	}
 	f := create.Flags()
@@ -58,26 +55,22 @@ func newScheduleCmd(g *globalFlags) *cobra.Command {
 		Short: "List schedules",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			items, err := runs.ListSchedules(ctx, c)
-			if err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 2, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tPAUSED\tNEXT\tRECENT RUNS\tNOTE")
-			for _, s := range items {
-				next := "-"
-				if !s.Next.IsZero() {
-					next = s.Next.UTC().Format(time.RFC3339)
+			return g.withClient(cmd.Context(), func(c client.Client) error {
+				items, err := runs.ListSchedules(cmd.Context(), c)
+				if err != nil {
+					return &exitError{code: 1, err: err}
 				}
-				fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\n", s.ID, s.Paused, next, strings.Join(s.Recent, ","), s.Summary)
-			}
-			return tw.Flush()
+				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 2, 4, 2, ' ', 0)
+				fmt.Fprintln(tw, "ID\tPAUSED\tNEXT\tRECENT RUNS\tNOTE")
+				for _, s := range items {
+					next := "-"
+					if !s.Next.IsZero() {
+						next = s.Next.UTC().Format(time.RFC3339)
+					}
+					fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\n", s.ID, s.Paused, next, strings.Join(s.Recent, ","), s.Summary)
+				}
+				return tw.Flush()
+			})
 		},
 	}
 	del := idCommand(g, "delete SCHEDULE_ID", "Delete a schedule (runs it started go on)",

@@ -17,6 +17,17 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
+// withClient connects to the Temporal frontend, runs fn and closes the
+// connection.
+func (g *globalFlags) withClient(ctx context.Context, fn func(client.Client) error) error {
+	c, err := runs.Connect(ctx, g.address, g.namespace)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return fn(c)
+}
+
 // idCommand builds a command that takes one id, calls act with a connected
 // client, and prints done on success; act's error exits with status 1.
 func idCommand(g *globalFlags, use, short string, act func(ctx context.Context, c client.Client, id string) error, done string) *cobra.Command {
@@ -25,17 +36,13 @@ func idCommand(g *globalFlags, use, short string, act func(ctx context.Context, 
 		Short: short,
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if err := act(ctx, c, args[0]); err != nil {
-				return &exitError{code: 1, err: err}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), done+"\n", args[0])
-			return nil
+			return g.withClient(cmd.Context(), func(c client.Client) error {
+				if err := act(cmd.Context(), c, args[0]); err != nil {
+					return &exitError{code: 1, err: err}
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), done+"\n", args[0])
+				return nil
+			})
 		},
 	}
 }

@@ -87,7 +87,14 @@ func (f *Fake) Free(p nccl.DevPtr) error {
 	return &nccl.Error{Func: "cudaFree", Code: nccl.CudaErrorInvalidValue, Detail: fmt.Sprintf("%#x is not an allocation", uintptr(p))}
 }
 
-func (f *Fake) Memset(p nccl.DevPtr, v byte, n int) error {
+func (f *Fake) Memset(p nccl.DevPtr, v byte, n int) error { return f.memset(p, v, n) }
+
+func (f *Fake) MemsetAsync(p nccl.DevPtr, v byte, n int, s nccl.Stream) error {
+	return f.enqueue(s, "cudaMemsetAsync", func() error { return f.memset(p, v, n) })
+}
+
+// memset sets n bytes of device memory at p to v.
+func (f *Fake) memset(p nccl.DevPtr, v byte, n int) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	b, _, err := f.devSlice(p, n)
@@ -98,21 +105,6 @@ func (f *Fake) Memset(p nccl.DevPtr, v byte, n int) error {
 		b[i] = v
 	}
 	return nil
-}
-
-func (f *Fake) MemsetAsync(p nccl.DevPtr, v byte, n int, s nccl.Stream) error {
-	return f.enqueue(s, "cudaMemsetAsync", func() error {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		b, _, err := f.devSlice(p, n)
-		if err != nil {
-			return err
-		}
-		for i := range b {
-			b[i] = v
-		}
-		return nil
-	})
 }
 
 // ---- host memory ----

@@ -34,10 +34,9 @@ import sys
 import threading
 import time
 
-ITEMSIZE = {
-    "int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8,
-    "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2,
-}
+# The wire plan (spec section 6) and dtype sizes are the receiver's: both
+# sides of a measurement lay chunks out by the same lines.
+from receiver import ITEMSIZE, numel, plan_chunks  # noqa: E402
 
 
 def log(*args):
@@ -46,29 +45,6 @@ def log(*args):
 
 def emit(**fields):
     print("RESULT", json.dumps(fields, sort_keys=True), flush=True)
-
-
-def plan_chunks(sizes, packed, threshold):
-    """Spec section 6, as in receiver.py: close a chunk once S > T."""
-    if not packed:
-        return [[i] for i in range(len(sizes))]
-    chunks, cur, total = [], [], 0
-    for i, size in enumerate(sizes):
-        cur.append(i)
-        total += size
-        if total > threshold:
-            chunks.append(cur)
-            cur, total = [], 0
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
-def numel(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def main():

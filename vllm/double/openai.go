@@ -255,16 +255,19 @@ func detokenize(ids []int) (string, error) {
 	return string(b), nil
 }
 
-func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
+// serveJSON answers an OpenAI API request: the API key, the body decoded
+// strictly into a B, then answer's result; a client that went away gets
+// nothing.
+func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer func(context.Context, *B) (any, error)) {
 	if !s.authorized(w, r) {
 		return
 	}
-	var b completionBody
-	if err := s.decodeStrict(w, r, &b); err != nil {
+	var body B
+	if err := s.decodeStrict(w, r, &body); err != nil {
 		fail(w, err)
 		return
 	}
-	resp, err := s.complete(r.Context(), &b)
+	resp, err := answer(r.Context(), &body)
 	if err != nil {
 		if r.Context().Err() == nil {
 			fail(w, err)
@@ -273,6 +276,8 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, resp)
 }
+
+func (s *Server) completions(w http.ResponseWriter, r *http.Request) { serveJSON(s, w, r, s.complete) }
 
 func (s *Server) complete(ctx context.Context, b *completionBody) (any, error) {
 	if err := s.checkModel(b.Model); err != nil {
@@ -372,24 +377,7 @@ func completionLogprobs(lps []bigram.TokenLogprob) map[string]any {
 	return map[string]any{"tokens": tokens, "token_logprobs": logps, "top_logprobs": tops, "text_offset": offsets}
 }
 
-func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
-	if !s.authorized(w, r) {
-		return
-	}
-	var b chatBody
-	if err := s.decodeStrict(w, r, &b); err != nil {
-		fail(w, err)
-		return
-	}
-	resp, err := s.chatComplete(r.Context(), &b)
-	if err != nil {
-		if r.Context().Err() == nil {
-			fail(w, err)
-		}
-		return
-	}
-	writeJSON(w, http.StatusOK, resp)
-}
+func (s *Server) chat(w http.ResponseWriter, r *http.Request) { serveJSON(s, w, r, s.chatComplete) }
 
 func (s *Server) chatComplete(ctx context.Context, b *chatBody) (any, error) {
 	if err := s.checkModel(b.Model); err != nil {
