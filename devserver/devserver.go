@@ -119,19 +119,20 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		}
 		o.Address = addr
 	}
-	// One partition per task queue: a dev server has one matching host, and
-	// the default 4 partitions make tasks wait on forwarding between them
-	// (measured: ~100 ms per step with 4, see bench/).
+	// Dynamic config for a one-host server; each value's effect on the
+	// orchestration overhead is measured in bench/RESULTS.md. One partition
+	// per task queue: a dev server has one matching host, and with several
+	// partitions tasks wait on forwarding between them.
 	args := []string{
 		"--dynamic-config-value", "matching.numTaskqueueReadPartitions=1",
 		"--dynamic-config-value", "matching.numTaskqueueWritePartitions=1",
 		"--dynamic-config-value", "system.enableActivityEagerExecution=true",
 		// The transfer queue moves every workflow and activity task to
-		// matching; at its default 20 polls/s a step waited ~25 ms for it.
+		// matching; at its default poll rate every step waits for it.
 		"--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000",
-		// Completed queue tasks are range-deleted at each ack update: every
-		// 30 s by default, so a long loop's task tables kept growing and
-		// iteration 1,000 ran 25% slower than iteration 1 (bench/).
+		// Completed queue tasks are range-deleted at each ack update, every
+		// 30 s by default, so a long loop's task tables keep growing and its
+		// late iterations run slower than its first.
 		"--dynamic-config-value", "history.transferProcessorUpdateAckInterval=\"2s\"",
 		"--dynamic-config-value", "history.visibilityProcessorUpdateAckInterval=\"2s\"",
 	}

@@ -38,6 +38,9 @@ type request struct {
 
 // OpenDevice starts the actor for CUDA device ordinal and runs SetDevice on
 // its thread. Close stops it.
+//
+// A device that cannot be selected is a *DeviceError: the GPU is missing
+// or unusable, which no retry on this process can mend.
 func OpenDevice(api API, ordinal int) (*Device, error) {
 	d := &Device{
 		api:     api,
@@ -65,7 +68,7 @@ func (d *Device) loop(ready chan<- error) {
 	defer d.tid.Store(0)
 	d.tid.Store(int64(ThreadID()))
 	if err := d.api.SetDevice(d.ordinal); err != nil {
-		ready <- fmt.Errorf("nccl: select device %d: %w", d.ordinal, err)
+		ready <- &DeviceError{Ordinal: d.ordinal, Err: err}
 		return
 	}
 	ready <- nil
@@ -177,3 +180,16 @@ func (p pollPolicy) wait(ctx context.Context, cancel <-chan struct{}, ready func
 		}
 	}
 }
+
+// DeviceError is OpenDevice's failure to select its device (cudaSetDevice):
+// the GPU is gone, hidden or broken, as opposed to one operation failing.
+type DeviceError struct {
+	Ordinal int
+	Err     error
+}
+
+func (e *DeviceError) Error() string {
+	return fmt.Sprintf("nccl: select device %d: %v", e.Ordinal, e.Err)
+}
+
+func (e *DeviceError) Unwrap() error { return e.Err }

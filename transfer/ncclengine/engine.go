@@ -419,6 +419,9 @@ func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packin
 		MasterAddress: master, MasterPort: port, WorldSize: topo.WorldSize, Device: e.cfg.Device, Comm: e.cfg.Comm,
 	}, e.cfg.API, initAll)
 	if err != nil {
+		if deviceLost(err) {
+			return transfer.Errorf(transfer.DeviceLost, err, "init %s%s", g.key, e.healthNote())
+		}
 		// Rendezvous names the init deadline (ictx's cause) itself.
 		return transfer.TransportErrorf(ctx, err, "init %s (world size %d)%s", g.key, topo.WorldSize, e.healthNote())
 	}
@@ -556,8 +559,10 @@ func (e *Engine) ensurePipeline(ctx context.Context, g *group, need int64, numBu
 	opts.Progress = g.setSent
 	dev, err := nccl.OpenDevice(e.cfg.API, e.cfg.Device)
 	if err != nil {
-		// This worker's GPU is unusable: another GPU worker must take over.
-		return transfer.Errorf(transfer.DeviceLost, err, "open device %d%s", e.cfg.Device, e.healthNote())
+		if deviceLost(err) {
+			return transfer.Errorf(transfer.DeviceLost, err, "staging buffers%s", e.healthNote())
+		}
+		return transfer.Errorf(transfer.NCCLFailed, err, "staging buffers")
 	}
 	p, err := staging.NewStager(ctx, dev, need, opts)
 	if err != nil {
@@ -566,4 +571,12 @@ func (e *Engine) ensurePipeline(ctx context.Context, g *group, need int64, numBu
 	}
 	g.pipe, g.pipeDev, g.pipeBuffers = p, dev, opts.Buffers
 	return nil
+}
+
+// deviceLost reports whether err says this worker's GPU cannot be selected
+// at all: then no attempt on this worker can succeed, and the step must
+// move to another GPU worker.
+func deviceLost(err error) bool {
+	var de *nccl.DeviceError
+	return errors.As(err, &de)
 }

@@ -767,3 +767,26 @@ func TestAnotherRunOnTheSameServersRetiresTheGroup(t *testing.T) {
 		t.Fatalf("%d inits, want 3", n)
 	}
 }
+
+// A GPU that cannot be selected (gone, hidden, broken) is DeviceLost on
+// init and on a broadcast alike: no retry on this worker can mend it, so
+// the step must move to another GPU worker (the activities turn it into
+// GPUWorkerLost, which the interpreter routes).
+func TestUnusableDeviceIsDeviceLost(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenD, worldSizes: []int{1}})
+	lost, err := New(Config{API: e.f, Device: 42, Advertise: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lost.Close()
+	ctx := e.ctx()
+	_, err = lost.Init(ctx, transfer.InitRequest{Target: e.target, Timeout: 5 * time.Second})
+	if kindOf(err) != transfer.DeviceLost || !strings.Contains(err.Error(), "select device 42") {
+		t.Errorf("init on a missing device: %v, want DeviceLost naming it", err)
+	}
+	path := writeCheckpoint(t, t.TempDir(), 1)
+	_, err = lost.Update(ctx, transfer.UpdateRequest{Target: e.target, Checkpoint: path, Version: "v", InitTimeout: 5 * time.Second})
+	if kindOf(err) != transfer.DeviceLost {
+		t.Errorf("broadcast on a missing device: %v, want DeviceLost", err)
+	}
+}
