@@ -221,6 +221,9 @@ func (l *loader) decodeField(n *yaml.Node, rv reflect.Value, f *field, path stri
 		}
 		if s, ok := l.str(n, path); ok {
 			d, err := ParseDuration(s)
+			if err == nil {
+				err = f.spec(t).Check(d)
+			}
 			if err != nil {
 				l.errNode(n, path, "%v", err)
 				return

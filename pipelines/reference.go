@@ -29,7 +29,7 @@ func Reference() string {
 				req = "yes"
 			}
 			typ := refType(f, o.typ.Field(f.index).Type)
-			if r := fieldRangeText(f); r != "" {
+			if r := f.spec(o.typ.Field(f.index).Type).RangeText(); r != "" {
 				typ += " (" + r + ")"
 			}
 			w("| `%s` | %s | %s | %s | %s |\n", f.name, cell(typ), req, cell(fieldDefaultText(f)), cell(refDoc(f)))
@@ -158,11 +158,6 @@ func argDefaultCell(a ArgSpec) string {
 		return "`" + formatDefault(a.Default) + "`"
 	}
 	return "`" + formatDefault(a.Default) + "` (" + a.DefaultDoc + ")"
-}
-
-// fieldRangeText states a schema field's bounds: "1..2147483647", ">= 1".
-func fieldRangeText(f *field) string {
-	return ArgSpec{Min: f.min, Max: f.max}.RangeText()
 }
 
 // fieldDefaultText is a schema field's default for a table cell.

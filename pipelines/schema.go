@@ -56,6 +56,19 @@ type object struct {
 	fields []field
 }
 
+// spec is a number or duration field's bounds and default as an ArgSpec,
+// so that fields and step arguments state and check them alike.
+func (f *field) spec(t reflect.Type) ArgSpec {
+	a := ArgSpec{Kind: KindInt, Min: f.min, Max: f.max, Default: f.def, DefaultDoc: f.defDoc}
+	switch {
+	case t == durationType:
+		a.Kind = KindDuration
+	case t.Kind() == reflect.Float64:
+		a.Kind = KindFloat
+	}
+	return a
+}
+
 func (o *object) field(name string) *field {
 	for i := range o.fields {
 		if o.fields[i].name == name {
@@ -96,9 +109,9 @@ var retryObj = &object{
 	fields: []field{
 		{name: "max_attempts", min: bound(0), max: bound(maxInt32), defDoc: fmt.Sprintf("0 (unlimited); a step with no retry policy at all gets %d attempts", DefaultMaxAttempts),
 			doc: "attempts in all, the first included; 0 means unlimited, 1 means no retry"},
-		{name: "initial_interval", defDoc: "Temporal's, 1s", doc: "wait before the first retry"},
+		{name: "initial_interval", min: seconds(minTimeout), defDoc: "Temporal's, 1s", doc: "wait before the first retry"},
 		{name: "backoff", min: bound(1), defDoc: "Temporal's, 2.0", doc: "factor the wait grows by after each retry"},
-		{name: "max_interval", defDoc: "Temporal's, 100 × initial_interval", doc: "cap on the wait between retries; at least initial_interval"},
+		{name: "max_interval", min: seconds(minTimeout), defDoc: "Temporal's, 100 × initial_interval", doc: "cap on the wait between retries; at least initial_interval"},
 		{name: "non_retryable", enum: StepErrorTypes(), check: nonRetryableProblem, defDoc: "none",
 			doc: "error types (see Error types) that fail the step at once, without retrying; " + joinNames(NonRetryableErrorTypes()) + " always do"},
 	},
@@ -109,8 +122,8 @@ var defaultsObj = &object{
 	doc: "Values for every step that does not set its own.",
 	typ: reflect.TypeOf(StepDefaults{}),
 	fields: []field{
-		{name: "timeout", def: Duration(DefaultStepTimeout), doc: "start-to-close timeout of one attempt"},
-		{name: "heartbeat", defDoc: "none", doc: "heartbeat timeout; must be shorter than the timeout"},
+		{name: "timeout", min: seconds(minTimeout), def: Duration(DefaultStepTimeout), doc: "start-to-close timeout of one attempt"},
+		{name: "heartbeat", min: seconds(minTimeout), defDoc: "none", doc: "heartbeat timeout; must be shorter than the timeout"},
 		{name: "retry", defDoc: fmt.Sprintf("max_attempts %d, Temporal's intervals", DefaultMaxAttempts), doc: "retry policy"},
 		{name: "task_queue", defDoc: "the pipeline workflow's task queue", doc: "Temporal task queue the step's activity is scheduled on"},
 	},
@@ -178,8 +191,8 @@ var stepObj = &object{
 		{name: "always", def: false, doc: "run once the needs have finished even if one failed or was skipped, or the run is cancelled"},
 		{name: "outputs", pattern: identRe, doc: "output keys the step produces, for step types with declared outputs"},
 		{name: "retry", defDoc: "defaults.retry", doc: "retry policy"},
-		{name: "timeout", defDoc: "defaults.timeout", doc: "start-to-close timeout of one attempt"},
-		{name: "heartbeat", defDoc: "defaults.heartbeat", doc: "heartbeat timeout"},
+		{name: "timeout", min: seconds(minTimeout), defDoc: "defaults.timeout", doc: "start-to-close timeout of one attempt"},
+		{name: "heartbeat", min: seconds(minTimeout), defDoc: "defaults.heartbeat", doc: "heartbeat timeout"},
 		{name: "task_queue", defDoc: "defaults.task_queue", doc: "task queue"},
 	},
 }
