@@ -38,3 +38,23 @@ func TestParseRates(t *testing.T) {
 		assert.ErrorContains(t, err, "--error-rate", bad)
 	}
 }
+
+func TestEnvInt(t *testing.T) {
+	for _, c := range []struct {
+		env  string
+		want int
+		err  string
+	}{
+		{"", -1, ""},
+		{"3", 3, ""},
+		{" 2 ", 2, ""},
+		{"3abc", -1, `RLFLOW_TEST_INT="3abc": not an integer`},
+		{"gpu0", -1, `RLFLOW_TEST_INT="gpu0": not an integer`},
+	} {
+		t.Setenv("RLFLOW_TEST_INT", c.env)
+		got, err := envInt("RLFLOW_TEST_INT", -1)
+		if got != c.want || (err == nil) != (c.err == "") || (err != nil && err.Error() != c.err) {
+			t.Errorf("envInt with %q = %d, %v; want %d, %q", c.env, got, err, c.want, c.err)
+		}
+	}
+}

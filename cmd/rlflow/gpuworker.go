@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strconv"
+	"strings"
 
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/pipelines"
@@ -22,12 +24,17 @@ type gpuFlags struct {
 	cudartLib string
 	queue     string
 	fakeNCCL  bool
+	// envErr is a malformed RLFLOW_GPU_DEVICE, reported when the GPU
+	// worker starts rather than replaced by the default.
+	envErr error
 }
 
 func (f *gpuFlags) register(cmd *cobra.Command) {
 	fl := cmd.Flags()
 	fl.BoolVar(&f.enabled, "gpu", false, "run a GPU worker (init_transfer and broadcast over NCCL) instead of a control worker")
-	fl.IntVar(&f.device, "gpu-device", envInt("RLFLOW_GPU_DEVICE", -1), "CUDA device of the GPU worker; -1 picks the visible one with the most free memory (env RLFLOW_GPU_DEVICE)")
+	device, err := envInt("RLFLOW_GPU_DEVICE", -1)
+	f.envErr = err
+	fl.IntVar(&f.device, "gpu-device", device, "CUDA device of the GPU worker; -1 picks the visible one with the most free memory (env RLFLOW_GPU_DEVICE)")
 	fl.StringVar(&f.advertise, "advertise", os.Getenv("RLFLOW_ADVERTISE"), "address the trainer's TCPStore binds (exactly) and the vLLM servers connect to; without it every init_transfer step must give master_address (env RLFLOW_ADVERTISE)")
 	fl.StringVar(&f.ncclLib, "nccl-lib", "", "libnccl to load (env "+nccl.EnvNCCLLib+" overrides; default: search)")
 	fl.StringVar(&f.cudartLib, "cudart-lib", "", "CUDA runtime to load (env "+nccl.EnvCUDARTLib+" overrides; default: search)")
@@ -36,15 +43,24 @@ func (f *gpuFlags) register(cmd *cobra.Command) {
 	_ = fl.MarkHidden("fake-nccl")
 }
 
-func envInt(key string, def int) int {
-	var v int
-	if _, err := fmt.Sscan(os.Getenv(key), &v); err == nil {
-		return v
+// envInt is the integer in the environment variable key, def where it is
+// unset; a value that is not an integer is an error, never the default.
+func envInt(key string, def int) (int, error) {
+	s := os.Getenv(key)
+	if s == "" {
+		return def, nil
 	}
-	return def
+	v, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil {
+		return def, fmt.Errorf("%s=%q: not an integer", key, s)
+	}
+	return v, nil
 }
 
 func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags) error {
+	if f.envErr != nil {
+		return f.envErr
+	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	c, err := runs.Connect(ctx, g.address, g.namespace)
 	if err != nil {
