@@ -21,6 +21,7 @@ const (
 	ErrTypeServerRejected  = "ServerRejected"  // non-retryable: a server refused the request for good
 	ErrTypeNoGPUWorker     = "NoGPUWorker"     // non-retryable: an nccl step reached a worker without the NCCL path
 	ErrTypeNCCL            = "NCCLError"       // retryable: the NCCL group failed or was lost
+	ErrTypeStaleWeights    = "StaleWeights"    // retryable: a server serves other weights than the run expects; the interpreter re-syncs it first
 	ErrTypeGPUWorkerLost   = "GPUWorkerLost"   // a GPU step's worker can no longer serve the run: the interpreter moves the step to another GPU worker
 	ErrTypeGPUUnavailable  = "GPUUnavailable"  // no GPU worker could be acquired (interpreter)
 	ErrTypeStepFailed      = "StepFailed"      // an iteration failed because a step did (interpreter)
@@ -66,6 +67,8 @@ var ErrorTypes = []ErrorType{
 		Doc: "an nccl transfer step reached a worker without the NCCL weight path (start the worker with `rlflow worker --gpu`); a retry would land on the same task queue"},
 	{Name: ErrTypeNCCL, Step: true,
 		Doc: "the NCCL group failed or was lost; the next attempt re-initialises the group"},
+	{Name: ErrTypeStaleWeights, Step: true,
+		Doc: "a server serves other weights than the run expects (it was restarted, replaced or reset), or a broadcast found a server unpaused that the run had paused: the error names the server, and the interpreter re-syncs the run's last checkpoint (pausing first) before the retry"},
 	{Name: ErrTypeStartToCloseTimeout, Step: true,
 		Doc: "Temporal: an attempt ran past the step's timeout"},
 	{Name: ErrTypeHeartbeatTimeout, Step: true,

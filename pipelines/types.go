@@ -218,6 +218,28 @@ type StepContext struct {
 	Servers []Server `json:"servers,omitempty"`
 	// WeightTransfer is copied from the pipeline for transfer steps.
 	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty"`
+	// Weights is what the run expects every server to serve: the version
+	// and checkpoint of its last successful broadcast (carried across
+	// iterations); nil before the run's first sync. Generate and evaluate
+	// check it at their start and end.
+	Weights *ExpectedWeights `json:"weights,omitempty"`
+	// FleetPaused is true when the run paused the servers (a pause step
+	// succeeded and no resume has since): a broadcast refuses a server it
+	// finds unpaused, which was restarted or resumed behind the run's back.
+	FleetPaused bool `json:"fleet_paused,omitempty"`
+}
+
+// ExpectedWeights are the weights a run's last sync loaded into its servers.
+type ExpectedWeights struct {
+	Version    string `json:"version"`
+	Checkpoint string `json:"checkpoint"` // absolute, as the broadcast resolved it
+}
+
+// StaleServers is the second detail of a StaleWeights error: the servers
+// found on other weights, by index into the pipeline's servers.
+type StaleServers struct {
+	Indexes []int    `json:"indexes"`
+	URLs    []string `json:"urls"`
 }
 
 // AttemptDetail is the first detail of every ApplicationError an activity

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -38,6 +39,63 @@ func DevServer(t testing.TB) *devserver.Server {
 	}
 	t.Cleanup(func() { _ = srv.Stop() })
 	return srv
+}
+
+// Outage is a dev server that a test can take down and bring back on the
+// same address with its state (a database file in the test's temp dir), to
+// play a Temporal outage: workflows and their history survive it, as they
+// do a real cluster's restart.
+type Outage struct {
+	t   testing.TB
+	bin string
+	db  string
+	mu  sync.Mutex
+	srv *devserver.Server
+	// Address is the frontend's host:port, the same across restarts.
+	Address string
+}
+
+// RestartableDevServer starts a dev server that Down and Up can stop and
+// restart; it skips (or fails under CI) like DevServer.
+func RestartableDevServer(t testing.TB) *Outage {
+	t.Helper()
+	bin, err := devserver.FindTemporal("")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("CI needs the Temporal CLI: %v", err)
+		}
+		t.Skipf("needs the Temporal dev server: %v", err)
+	}
+	o := &Outage{t: t, bin: bin, db: filepath.Join(t.TempDir(), "temporal.db"),
+		Address: "127.0.0.1:" + strconv.Itoa(FreePort(t))}
+	o.Up()
+	t.Cleanup(func() { o.Down() })
+	return o
+}
+
+// Down stops the server (a no-op when it is down).
+func (o *Outage) Down() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.srv != nil {
+		_ = o.srv.Stop()
+		o.srv = nil
+	}
+}
+
+// Up starts the server again on the same address and database.
+func (o *Outage) Up() {
+	o.t.Helper()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.srv != nil {
+		return
+	}
+	srv, err := devserver.Start(context.Background(), devserver.Options{TemporalPath: o.bin, Address: o.Address, DBFile: o.db})
+	if err != nil {
+		o.t.Fatalf("restarting the dev server: %v", err)
+	}
+	o.srv = srv
 }
 
 var (
