@@ -312,7 +312,7 @@ func (c *Client) do(ctx context.Context, cl call, out any) (int, error) {
 }
 
 func retryable(ctx context.Context, status int, err error) bool {
-	if ctx.Err() != nil {
+	if ctx.Err() != nil || errors.Is(err, ErrStepDeadline) {
 		return false
 	}
 	if status == 0 {
@@ -326,7 +326,8 @@ func retryable(ctx context.Context, status int, err error) bool {
 var errEncode = errors.New("encode")
 
 func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, error) {
-	actx, cancel := context.WithTimeout(ctx, cl.timeout)
+	budget := budgetFor(ctx, cl.timeout, cl.timeoutOf)
+	actx, cancel := context.WithTimeout(ctx, budget.timeout)
 	defer cancel()
 	u := c.base + cl.path
 	if len(cl.query) > 0 {
@@ -349,13 +350,13 @@ func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, 
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return 0, c.transportError(ctx, actx, cl, err)
+		return 0, c.transportError(ctx, actx, cl, budget, err)
 	}
 	defer resp.Body.Close()
 	data, err := readLimited(resp.Body, maxControlResponse)
 	if err != nil {
 		if ctxErr := actx.Err(); ctxErr != nil {
-			return resp.StatusCode, c.transportError(ctx, actx, cl, err)
+			return resp.StatusCode, c.transportError(ctx, actx, cl, budget, err)
 		}
 		return resp.StatusCode, c.errorf(cl, resp.StatusCode, err, "read response: %v", err)
 	}
@@ -372,12 +373,12 @@ func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, 
 
 // transportError names what failed when no (complete) response came: the
 // caller's context, this phase's deadline, or the connection.
-func (c *Client) transportError(ctx, actx context.Context, cl call, err error) *Error {
+func (c *Client) transportError(ctx, actx context.Context, cl call, budget callBudget, err error) *Error {
 	switch {
 	case ctx.Err() != nil:
 		return c.errorf(cl, 0, ctx.Err(), "%v", context.Cause(ctx))
 	case errors.Is(actx.Err(), context.DeadlineExceeded):
-		return c.errorf(cl, 0, context.DeadlineExceeded, "no answer within %v (Timeouts.%s)", cl.timeout, cl.timeoutOf)
+		return c.errorf(cl, 0, budget.cause(), "%s", budget.expired())
 	}
 	var ue *url.Error
 	if errors.As(err, &ue) {

@@ -101,7 +101,8 @@ func (c *Client) Completions(ctx context.Context, r CompletionRequest) (*Result,
 		return nil, &Error{Server: c.base, Call: callName, Message: "no prompts"}
 	}
 	n := max(r.N, 1)
-	ctx, cancel := context.WithTimeout(ctx, c.opts.Timeouts.generate())
+	budget := budgetFor(ctx, c.opts.Timeouts.generate(), "Generate")
+	ctx, cancel := context.WithTimeout(ctx, budget.timeout)
 	defer cancel()
 	resp, err := c.oai.CreateCompletion(ctx, openai.CompletionRequest{
 		Model:       r.Model,
@@ -115,7 +116,7 @@ func (c *Client) Completions(ctx context.Context, r CompletionRequest) (*Result,
 		LogProbs:    r.Logprobs,
 	})
 	if err != nil {
-		return nil, c.openaiError(ctx, callName, err)
+		return nil, c.openaiError(ctx, callName, budget, err)
 	}
 	out := &Result{ID: resp.ID, Model: resp.Model}
 	if resp.Usage != nil {
@@ -162,7 +163,8 @@ func (c *Client) Chat(ctx context.Context, r ChatRequest) (*Result, error) {
 	for i, m := range r.Messages {
 		msgs[i] = openai.ChatCompletionMessage{Role: m.Role, Content: m.Content}
 	}
-	ctx, cancel := context.WithTimeout(ctx, c.opts.Timeouts.generate())
+	budget := budgetFor(ctx, c.opts.Timeouts.generate(), "Generate")
+	ctx, cancel := context.WithTimeout(ctx, budget.timeout)
 	defer cancel()
 	// max_completion_tokens: the chat API's name for the bound since
 	// max_tokens was deprecated; vLLM's chat route takes both.
@@ -179,7 +181,7 @@ func (c *Client) Chat(ctx context.Context, r ChatRequest) (*Result, error) {
 		TopLogProbs:         r.TopLogprobs,
 	})
 	if err != nil {
-		return nil, c.openaiError(ctx, callName, err)
+		return nil, c.openaiError(ctx, callName, budget, err)
 	}
 	if want := max(r.N, 1); len(resp.Choices) != want {
 		return nil, &Error{Server: c.base, Call: callName, Status: http.StatusOK,
@@ -207,7 +209,7 @@ func (c *Client) Chat(ctx context.Context, r ChatRequest) (*Result, error) {
 }
 
 // openaiError maps go-openai's errors onto *Error.
-func (c *Client) openaiError(ctx context.Context, callName string, err error) *Error {
+func (c *Client) openaiError(ctx context.Context, callName string, budget callBudget, err error) *Error {
 	e := &Error{Server: c.base, Call: callName, Err: err}
 	var apiErr *openai.APIError
 	var reqErr *openai.RequestError
@@ -220,8 +222,9 @@ func (c *Client) openaiError(ctx context.Context, callName string, err error) *E
 	case errors.As(err, &apiErr):
 		e.Status, e.Message = apiErr.HTTPStatusCode, clip(apiErr.Message)
 	case errors.Is(ctx.Err(), context.DeadlineExceeded):
-		// ctx is the call's own (Timeouts.Generate) or the caller's, if sooner.
-		e.Message, e.Err = fmt.Sprintf("no answer within %v (Timeouts.Generate) or by the caller's deadline", c.opts.Timeouts.generate()), context.DeadlineExceeded
+		// ctx is the call's own budget: Timeouts.Generate, or what the
+		// caller's deadline left it.
+		e.Message, e.Err = budget.expired(), budget.cause()
 	case ctx.Err() != nil:
 		e.Message, e.Err = ctx.Err().Error(), ctx.Err()
 	default:
