@@ -34,8 +34,8 @@ func TestHungCallEndsBeforeTheCallersDeadline(t *testing.T) {
 		route string
 		call  func(ctx context.Context) error
 	}{
-		"pause":       {"POST /pause", func(ctx context.Context) error { return c.Pause(ctx, vllm.PauseKeep) }},
-		"is_paused":   {"GET /is_paused", func(ctx context.Context) error { _, err := c.IsPaused(ctx); return err }},
+		"pause":     {"POST /pause", func(ctx context.Context) error { return c.Pause(ctx, vllm.PauseKeep) }},
+		"is_paused": {"GET /is_paused", func(ctx context.Context) error { _, err := c.IsPaused(ctx); return err }},
 		"completions": {"POST /v1/completions", func(ctx context.Context) error {
 			_, err := c.Completions(ctx, vllm.CompletionRequest{Model: "m", Prompts: []string{"hi"}, MaxTokens: 1})
 			return err
