@@ -13,6 +13,7 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/api/serviceerror"
+	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
 )
 
@@ -37,9 +38,26 @@ type RunStatus struct {
 // Done reports whether the run has closed.
 func (s *RunStatus) Done() bool { return s.Execution != "" && s.Execution != "Running" }
 
-// GetStatus collects a run's status; runID may be empty (latest run).
+// GetStatus collects a run's status; runID may be empty (latest run). It
+// asks Temporal once: an unreachable frontend is an error.
 func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (*RunStatus, error) {
-	d, err := c.DescribeWorkflow(ctx, workflowID, runID)
+	return getStatus(ctx, c, workflowID, runID, once)
+}
+
+// once is a call that does not wait out outages.
+func once(ctx context.Context, fn func(context.Context) error) error { return fn(ctx) }
+
+// getStatus is GetStatus with the run's description made through call,
+// which may wait out an outage. The queries are not: a query that fails
+// leaves ProgressErr set, never ends the command, and most often means no
+// worker answers rather than no frontend.
+func getStatus(ctx context.Context, c client.Client, workflowID, runID string, call func(context.Context, func(context.Context) error) error) (*RunStatus, error) {
+	var d *workflowservice.DescribeWorkflowExecutionResponse
+	err := call(ctx, func(ctx context.Context) error {
+		var err error
+		d, err = c.DescribeWorkflowExecution(ctx, workflowID, runID)
+		return err
+	})
 	if err != nil {
 		var nf *serviceerror.NotFound
 		if errors.As(err, &nf) {
@@ -47,7 +65,7 @@ func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (
 		}
 		return nil, fmt.Errorf("describing %s: %w", workflowID, err)
 	}
-	info := d.RawResponse.GetWorkflowExecutionInfo()
+	info := d.GetWorkflowExecutionInfo()
 	st := &RunStatus{
 		WorkflowID: workflowID,
 		RunID:      info.GetExecution().GetRunId(),

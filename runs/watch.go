@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/workflows"
@@ -19,6 +20,9 @@ type WatchOptions struct {
 	// Total is the number of iterations expected (0 = unknown, for until).
 	Total    int
 	Interval time.Duration
+	// Address is the Temporal frontend's host:port, named in the lines
+	// that report an outage.
+	Address string
 	// OnIteration, when set, is called once per successful iteration, in
 	// order, with the iteration's result (every step's outputs) as soon as
 	// the watch sees it done.
@@ -26,7 +30,9 @@ type WatchOptions struct {
 }
 
 // Watch prints step transitions of a run as they happen and returns the
-// run's result once it closes. It follows continue-as-new.
+// run's result once it closes. It follows continue-as-new. It waits out
+// Temporal outages of any length, saying when one starts and ends: only
+// the run's outcome, an error the server answers, or ctx ending stop it.
 func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o WatchOptions) (*workflows.PipelineResult, error) {
 	if o.Interval <= 0 {
 		o.Interval = 300 * time.Millisecond
@@ -40,7 +46,10 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		bar = progressbar.NewOptions(total, progressbar.OptionSetWriter(o.Bar), progressbar.OptionSetDescription("iterations"),
 			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish())
 	}
+	var sayMu sync.Mutex // the run's Get waits out outages on its own goroutine
 	say := func(format string, args ...any) {
+		sayMu.Lock()
+		defer sayMu.Unlock()
 		if bar != nil {
 			_ = bar.Clear()
 		}
@@ -49,11 +58,15 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			_ = bar.RenderBlank()
 		}
 	}
+	out := newOutages(o.Address, func(line string) { say("%s", line) })
 	done := make(chan struct{})
 	var res workflows.PipelineResult
 	var runErr error
 	go func() {
-		runErr = run.Get(ctx, &res) // follows continue-as-new runs
+		// Get long-polls the history (65s per call) and follows
+		// continue-as-new from the latest run it saw, so repeating it
+		// after an outage loses nothing.
+		runErr = out.do(ctx, func(ctx context.Context) error { return run.Get(ctx, &res) })
 		close(done)
 	}()
 	seen := map[string]string{}
@@ -91,7 +104,11 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 	report := func(done int) {
 		for ; reported < done; reported++ {
 			var ir workflows.IterationResult
-			if err := c.GetWorkflow(ctx, workflows.IterationWorkflowID(run.GetID(), reported+1), "").Get(ctx, &ir); err != nil {
+			id := workflows.IterationWorkflowID(run.GetID(), reported+1)
+			if err := out.do(ctx, func(ctx context.Context) error { return c.GetWorkflow(ctx, id, "").Get(ctx, &ir) }); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
 				say("  (iteration %d result unavailable: %v)", reported+1, err)
 				continue
 			}
@@ -113,7 +130,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 	t := time.NewTicker(o.Interval)
 	defer t.Stop()
 	poll := func() {
-		st, err := GetStatus(ctx, c, run.GetID(), "")
+		st, err := getStatus(ctx, c, run.GetID(), "", out.do)
 		if err != nil || st.ProgressErr != "" {
 			return
 		}
@@ -126,7 +143,9 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		if p.IterationsDone != lastDone {
 			lastDone = p.IterationsDone
 			if bar != nil {
+				sayMu.Lock()
 				_ = bar.Set(lastDone)
+				sayMu.Unlock()
 			}
 		}
 		for _, s := range st.Steps {

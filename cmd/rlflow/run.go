@@ -41,7 +41,11 @@ func newRunCmd(g *globalFlags) *cobra.Command {
 starts a run on the Temporal cluster (--address). The spec is frozen into the
 run's input: editing the file later does not change the run. A control worker
 (rlflow worker, or rlflow dev) must serve --task-queue, on a host that sees the
-same paths as the pipeline's base_dir.`,
+same paths as the pipeline's base_dir.
+
+With --wait it follows the run until it ends and exits with its outcome. It
+waits out Temporal outages of any length, printing a line when the frontend
+stops answering and one when it is back; Ctrl-C stops following, not the run.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -56,7 +60,7 @@ same paths as the pipeline's base_dir.`,
 	}
 	f := cmd.Flags()
 	f.StringArrayVarP(&params, "param", "p", nil, "parameter name=value (repeatable)")
-	f.BoolVar(&wait, "wait", false, "follow the run until it ends; exit 1 if it fails")
+	f.BoolVar(&wait, "wait", false, "follow the run until it ends, waiting out Temporal outages; exit 1 if it fails")
 	f.StringVar(&id, "id", "", "workflow id for the run (default: <name>-<time>-<random>)")
 	f.StringVar(&ui, "ui", envOr("RLFLOW_UI", "http://localhost:8233"), "Temporal UI base URL for printed links (env RLFLOW_UI)")
 	return cmd
@@ -90,7 +94,11 @@ func startAndFollowWith(ctx context.Context, c client.Client, g *globalFlags, sp
 	if spec.Loop.Until != "" {
 		total = spec.Loop.MaxIterations
 	}
-	res, err := runs.Watch(ctx, c, run, runs.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration})
+	res, err := runs.Watch(ctx, c, run, runs.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration, Address: g.address})
+	if err != nil && ctx.Err() != nil {
+		// Interrupted: the run itself goes on, on the cluster.
+		return &exitError{code: 1, err: fmt.Errorf("stopped following %s (the run goes on; rlflow status %s): %w", run.GetID(), run.GetID(), err)}
+	}
 	if err != nil {
 		return &exitError{code: 1, err: fmt.Errorf("run %s failed: %w", run.GetID(), err)}
 	}
