@@ -23,15 +23,6 @@ import (
 	"go.temporal.io/sdk/client"
 )
 
-// Connect dials a Temporal frontend.
-func Connect(ctx context.Context, address, namespace string) (client.Client, error) {
-	c, err := client.DialContext(ctx, client.Options{HostPort: address, Namespace: namespace, Logger: quietLogger{}})
-	if err != nil {
-		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", address, namespace, err)
-	}
-	return c, nil
-}
-
 // EnsureSearchAttributes registers rlflow's search attributes on the
 // namespace if they are missing. It reports whether they are usable; an
 // error means they are not (the run still works, without UI filtering).

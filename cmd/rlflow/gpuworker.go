@@ -10,7 +10,6 @@ import (
 
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/pipelines"
-	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker/gpuworker"
 	"github.com/spf13/cobra"
 )
@@ -57,13 +56,12 @@ func envInt(key string, def int) (int, error) {
 	return v, nil
 }
 
-func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags) error {
+func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFlags, log *slog.Logger) error {
 	if f.envErr != nil {
 		return f.envErr
 	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	c, err := runs.Connect(ctx, g.address, g.namespace)
-	if err != nil {
+	c, err := dialWorker(ctx, g, cf, log)
+	if err != nil || c == nil {
 		return err
 	}
 	defer c.Close()

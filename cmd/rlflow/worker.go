@@ -1,22 +1,27 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
+	"time"
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
+	"go.temporal.io/sdk/client"
 )
 
 func newWorkerCmd(g *globalFlags) *cobra.Command {
 	var logDir, dataDir string
 	var maxActivities int
 	var gf gpuFlags
+	var cf connectFlags
 	cmd := &cobra.Command{
 		Use:   "worker",
 		Short: "Run a control worker (the pipeline interpreter and the control step types) or, with --gpu, a GPU worker",
@@ -29,12 +34,22 @@ With --gpu it is a GPU worker instead, on the trainer's GPU host: it answers
 gpu_acquire on --gpu-task-queue with a task queue of its own
 (rlflow-gpu/<host>/<instance>) and runs init_transfer and broadcast there,
 broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
---advertise is the address the servers reach it at for the NCCL rendezvous.`,
+--advertise is the address the servers reach it at for the NCCL rendezvous.
+
+A worker started while Temporal is down (or unreachable) waits for it,
+logging a warning per attempt, and starts once it answers (--connect-timeout
+bounds the wait); a running worker rides out later outages. The Temporal
+SDK's own warnings and errors (a workflow task failing, polls failing) go to
+the worker's log.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
+			if err := cf.check(); err != nil {
+				return err
+			}
+			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 			if gf.enabled {
-				return runGPUWorker(ctx, g, gf)
+				return runGPUWorker(ctx, g, gf, cf, log)
 			}
 			if gf.fakeNCCL {
 				return errors.New("--fake-nccl needs --gpu")
@@ -47,8 +62,8 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 			if err != nil {
 				return err
 			}
-			c, err := runs.Connect(ctx, g.address, g.namespace)
-			if err != nil {
+			c, err := dialWorker(ctx, g, cf, log)
+			if err != nil || c == nil {
 				return err
 			}
 			defer c.Close()
@@ -61,7 +76,7 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 			if err := w.Start(); err != nil {
 				return fmt.Errorf("starting worker: %w", err)
 			}
-			slog.New(slog.NewTextHandler(os.Stderr, nil)).Info("rlflow worker running",
+			log.Info("rlflow worker running",
 				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "data_dir", data, "pid", os.Getpid())
 			<-ctx.Done()
 			w.Stop()
@@ -72,5 +87,60 @@ broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 	cmd.Flags().StringVar(&dataDir, "data-dir", envOr("RLFLOW_DATA_DIR", ".rlflow/data"), "directory for generate and evaluate output files that steps do not place (env RLFLOW_DATA_DIR)")
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
 	gf.register(cmd)
+	cf.register(cmd)
 	return cmd
+}
+
+// connectFlags bound a worker's wait for its Temporal frontend.
+type connectFlags struct {
+	timeout time.Duration
+	// envErr is a malformed RLFLOW_CONNECT_TIMEOUT, reported when the
+	// worker starts rather than replaced by the default.
+	envErr error
+}
+
+func (f *connectFlags) register(cmd *cobra.Command) {
+	def, err := envDuration("RLFLOW_CONNECT_TIMEOUT", 0)
+	f.envErr = err
+	cmd.Flags().DurationVar(&f.timeout, "connect-timeout", def, "how long a starting worker waits for Temporal to answer; 0 waits until it does (env RLFLOW_CONNECT_TIMEOUT)")
+}
+
+func (f connectFlags) check() error {
+	if f.envErr != nil {
+		return f.envErr
+	}
+	if f.timeout < 0 {
+		return fmt.Errorf("--connect-timeout %s: must be 0 (wait until Temporal answers) or more", f.timeout)
+	}
+	return nil
+}
+
+// dialWorker connects a worker, waiting for Temporal; stopped (Ctrl-C)
+// while it waits, it returns neither client nor error: the worker was
+// asked to stop, and does.
+func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, log *slog.Logger) (client.Client, error) {
+	c, err := runs.Dial(ctx, runs.DialOptions{Address: g.address, Namespace: g.namespace, Log: log, MaxWait: f.timeout})
+	if err != nil && ctx.Err() != nil {
+		log.Info("stopped while waiting for temporal", "address", g.address)
+		return nil, nil
+	}
+	return c, err
+}
+
+// envDuration is the duration in the environment variable key, def where
+// it is unset; a value that is not a non-negative duration is an error,
+// never the default.
+func envDuration(key string, def time.Duration) (time.Duration, error) {
+	s := os.Getenv(key)
+	if s == "" {
+		return def, nil
+	}
+	v, err := time.ParseDuration(strings.TrimSpace(s))
+	if err != nil {
+		return def, fmt.Errorf("%s=%q: not a duration such as 30s or 5m (0 waits forever)", key, s)
+	}
+	if v < 0 {
+		return def, fmt.Errorf("%s=%q: must be 0 (wait forever) or more", key, s)
+	}
+	return v, nil
 }

@@ -1,0 +1,99 @@
+package runs
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"go.temporal.io/api/workflowservice/v1"
+	"go.temporal.io/sdk/client"
+)
+
+// Connect dials a Temporal frontend for a command: it fails at once when
+// the frontend cannot be reached, and the SDK's own log is dropped (the
+// command reports what matters through the errors it returns).
+func Connect(ctx context.Context, address, namespace string) (client.Client, error) {
+	c, err := client.DialContext(ctx, client.Options{HostPort: address, Namespace: namespace, Logger: quietLogger{}})
+	if err != nil {
+		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", address, namespace, err)
+	}
+	return c, nil
+}
+
+// DialOptions configure Dial.
+type DialOptions struct {
+	Address, Namespace string
+	// Log is the worker's log: it gets a warning per failed attempt and
+	// the SDK's own lines at warn and above (SDKLogger). Nil discards both.
+	Log *slog.Logger
+	// Backoff between attempts (default 1s doubling up to 30s).
+	Backoff Backoff
+	// MaxWait bounds the wait for the frontend; 0 waits until ctx ends.
+	MaxWait time.Duration
+}
+
+// workerBackoff is how a worker waits for its frontend: quickly at first
+// (a server being restarted), then every 30s (a cluster being repaired).
+var workerBackoff = Backoff{Min: time.Second, Max: 30 * time.Second}
+
+// Dial connects a worker to its frontend, waiting for the frontend to
+// answer as long as it takes (or MaxWait): a worker started before its
+// server, or during an outage, starts once the server is back. An answer
+// that is an error (the namespace does not exist, permission denied, bad
+// TLS) fails at once.
+//
+// Why not client.NewLazyClient: it only moves the failure into the SDK
+// worker's Start, which is memoized (a Start that failed cannot be
+// retried), so the wait must happen before the worker is built. Once
+// connected, the SDK's pollers ride out later outages by themselves.
+func Dial(ctx context.Context, o DialOptions) (client.Client, error) {
+	if o.Backoff == (Backoff{}) {
+		o.Backoff = workerBackoff
+	}
+	log := o.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	wctx := ctx
+	if o.MaxWait > 0 {
+		var cancel context.CancelFunc
+		wctx, cancel = context.WithTimeout(ctx, o.MaxWait)
+		defer cancel()
+	}
+	opts := client.Options{HostPort: o.Address, Namespace: o.Namespace, Logger: SDKLogger(log.Handler())}
+	start := time.Now()
+	var c client.Client
+	failed := 0
+	err := retry(wctx, o.Backoff, func(ctx context.Context) error {
+		var err error
+		if c, err = client.DialContext(ctx, opts); err != nil {
+			return err
+		}
+		// The SDK worker's Start describes the namespace; asking here
+		// first tells a missing namespace (fail now) from a server
+		// still starting (wait).
+		if _, err = c.WorkflowService().DescribeNamespace(ctx, &workflowservice.DescribeNamespaceRequest{Namespace: o.Namespace}); err != nil {
+			c.Close()
+			c = nil
+			return fmt.Errorf("describing namespace %s: %w", o.Namespace, err)
+		}
+		return nil
+	}, func(attempt int, err error, wait time.Duration) {
+		failed = attempt
+		log.Warn("temporal unreachable; retrying", "address", o.Address, "namespace", o.Namespace,
+			"attempt", attempt, "reason", shortReason(err), "retry_in", wait, "waited", time.Since(start).Round(time.Second))
+	})
+	switch {
+	case err == nil:
+		if failed > 0 {
+			log.Info("temporal reachable", "address", o.Address, "namespace", o.Namespace,
+				"attempts", failed+1, "waited", time.Since(start).Round(time.Second))
+		}
+		return c, nil
+	case ctx.Err() == nil && wctx.Err() != nil:
+		return nil, fmt.Errorf("temporal at %s (namespace %s) still unreachable after %s, the longest wait allowed: %w", o.Address, o.Namespace, o.MaxWait, err)
+	default:
+		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", o.Address, o.Namespace, err)
+	}
+}
