@@ -25,6 +25,14 @@ func stepError(ctx context.Context, errType string, cause error, format string, 
 	})
 }
 
+// staleWeightsError is the StaleWeights error: its second detail names the
+// servers, so the interpreter re-syncs exactly those.
+func staleWeightsError(ctx context.Context, stale pipelines.StaleServers, format string, args ...any) error {
+	return temporal.NewApplicationErrorWithOptions(fmt.Sprintf(format, args...), pipelines.ErrTypeStaleWeights, temporal.ApplicationErrorOptions{
+		Details: []any{pipelines.AttemptDetail{Attempt: attemptOf(ctx)}, stale},
+	})
+}
+
 // badInput is the error for arguments that can never work.
 func badInput(ctx context.Context, format string, args ...any) error {
 	return stepError(ctx, pipelines.ErrTypeBadInput, nil, format, args...)

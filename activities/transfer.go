@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"strings"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/transfer"
@@ -49,6 +50,9 @@ type BroadcastOutput struct {
 	Seconds float64 `json:"seconds"`
 	GBps    float64 `json:"gb_per_s"`
 	Version string  `json:"version"`
+	// Checkpoint is the checkpoint directory as loaded (absolute): the
+	// interpreter restores it into a server found on stale weights.
+	Checkpoint string `json:"checkpoint"`
 	// Initialized is true when this broadcast had to (re)initialise the
 	// transfer group first (first use, or the old group was lost).
 	Initialized bool `json:"initialized"`
@@ -97,6 +101,11 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	if version == "" {
 		version = defaultVersion(sc)
 	}
+	if sc.FleetPaused {
+		if err := checkPaused(ctx, target.Fleet, "before the update"); err != nil {
+			return nil, err
+		}
+	}
 	var progress transfer.Progress
 	stop := a.reportTransfer(ctx, &progress)
 	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
@@ -105,13 +114,20 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	if err != nil {
 		return nil, transferError(ctx, step, err)
 	}
+	if sc.FleetPaused {
+		// A server restarted during the update came back unpaused, on its
+		// base weights: the update did not reach what now serves.
+		if err := checkPaused(ctx, target.Fleet, "after the update"); err != nil {
+			return nil, err
+		}
+	}
 	if in.Verify {
 		if err := verifyVersion(ctx, target.Fleet, version); err != nil {
 			return nil, serverError(ctx, err, "%s: verify", step)
 		}
 	}
 	out := &BroadcastOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(),
-		Version: version, Initialized: res.Initialized, Attempt: attemptOf(ctx)}
+		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, Attempt: attemptOf(ctx)}
 	if res.Elapsed > 0 {
 		out.GBps = float64(res.Bytes) / res.Elapsed.Seconds() / 1e9
 	}
@@ -158,6 +174,33 @@ func (a *Activities) transferPath(ctx context.Context, step string, sc pipelines
 // reportTransfer heartbeats the engine's progress until stop.
 func (a *Activities) reportTransfer(ctx context.Context, p *transfer.Progress) (stop func()) {
 	return a.heartbeatLoop(ctx, func() { activity.RecordHeartbeat(ctx, p.Report()) })
+}
+
+// checkPaused fails with StaleWeights, naming them, when servers the run
+// paused are not paused: restarted, or resumed behind the run's back, they
+// serve requests, and a broadcast must not load weights under them.
+func checkPaused(ctx context.Context, f vllm.Fleet, when string) error {
+	paused := make([]bool, len(f))
+	err := f.Each("is_paused", func(i int, c *vllm.Client) error {
+		p, err := c.IsPaused(ctx)
+		paused[i] = p
+		return err
+	})
+	if err != nil {
+		return serverError(ctx, err, "%s: checking that the servers are paused %s", pipelines.StepBroadcast, when)
+	}
+	var stale pipelines.StaleServers
+	for i, p := range paused {
+		if !p {
+			stale.Indexes = append(stale.Indexes, i)
+			stale.URLs = append(stale.URLs, f[i].URL())
+		}
+	}
+	if len(stale.Indexes) == 0 {
+		return nil
+	}
+	return staleWeightsError(ctx, stale, "%s: %s not paused %s, though the run paused it (restarted, or resumed by someone else)",
+		pipelines.StepBroadcast, strings.Join(stale.URLs, ", "), when)
 }
 
 // verifyVersion checks that every server with weight versions (API

@@ -16,6 +16,7 @@ import (
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
+	"go.temporal.io/sdk/temporal"
 )
 
 func diskContext(t *testing.T, ds ...*testDouble) pipelines.StepContext {
@@ -180,7 +181,8 @@ func TestTransferDispatch(t *testing.T) {
 	a.NCCL = fake
 	out, err := a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x", Version: "v"})
 	require.NoError(t, err)
-	assert.Equal(t, BroadcastOutput{Backend: pipelines.BackendNCCL, Bytes: 10, Tensors: 1, Seconds: 1, GBps: 1e-8, Version: "v", Attempt: 1}, *out)
+	assert.Equal(t, BroadcastOutput{Backend: pipelines.BackendNCCL, Bytes: 10, Tensors: 1, Seconds: 1, GBps: 1e-8, Version: "v",
+		Checkpoint: filepath.Join(nccl.BaseDir, "x"), Attempt: 1}, *out)
 	require.Len(t, fake.target.Fleet, 2)
 	assert.Equal(t, d2.URL, fake.target.Fleet[1].URL())
 	// One path for both backends: the checkpoint is resolved against the
@@ -253,4 +255,39 @@ func TestInitTransferDisk(t *testing.T) {
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: diskContext(t, d1, failing)})
 	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
 	assert.ErrorContains(t, err, "init weight transfer failed on 1 of 2 servers; vllm "+failing.URL+": POST /init_weight_transfer_engine: HTTP 500")
+}
+
+// A broadcast in a run that paused its servers refuses a server it finds
+// unpaused (restarted, or resumed by someone else) with StaleWeights naming
+// it, before loading anything; once it is paused again the broadcast runs.
+func TestBroadcastRefusesAServerTheRunPausedButIsNot(t *testing.T) {
+	ctx := context.Background()
+	d1 := newDouble(t, double.Config{DevMode: true, Backend: double.BackendNCCL})
+	d2 := newDouble(t, double.Config{DevMode: true, Backend: double.BackendNCCL})
+	sc := diskContext(t, d1, d2)
+	sc.WeightTransfer = &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL}
+	sc.FleetPaused = true
+	fake := &fakeEngine{}
+	a := newActivities(t)
+	a.NCCL = fake
+	c1, err := vllm.New(d1.URL, vllm.Options{})
+	require.NoError(t, err)
+	require.NoError(t, c1.Pause(ctx, vllm.PauseKeep))
+
+	_, err = a.Broadcast(ctx, BroadcastInput{Context: sc, Checkpoint: "x", Version: "v"})
+	require.Equal(t, pipelines.ErrTypeStaleWeights, errType(t, err))
+	assert.ErrorContains(t, err, d2.URL+" not paused before the update")
+	var app *temporal.ApplicationError
+	require.ErrorAs(t, err, &app)
+	var attempt pipelines.AttemptDetail
+	var stale pipelines.StaleServers
+	require.NoError(t, app.Details(&attempt, &stale))
+	assert.Equal(t, pipelines.StaleServers{Indexes: []int{1}, URLs: []string{d2.URL}}, stale)
+	assert.Nil(t, fake.target.Fleet, "nothing was loaded")
+
+	c2, err := vllm.New(d2.URL, vllm.Options{})
+	require.NoError(t, err)
+	require.NoError(t, c2.Pause(ctx, vllm.PauseKeep))
+	_, err = a.Broadcast(ctx, BroadcastInput{Context: sc, Checkpoint: "x", Version: "v"})
+	require.NoError(t, err)
 }

@@ -466,14 +466,14 @@ func TestErrorTypes(t *testing.T) {
 		seen[e.Name] = true
 	}
 	for _, c := range []string{ErrTypeBadInput, ErrTypeCommandNotFound, ErrTypeOutputMissing, ErrTypeExit, ErrTypeSignal, ErrTypeIO,
-		ErrTypeServerError, ErrTypeServerRejected, ErrTypeNoGPUWorker, ErrTypeNCCL, ErrTypeGPUWorkerLost, ErrTypeGPUUnavailable,
+		ErrTypeServerError, ErrTypeServerRejected, ErrTypeNoGPUWorker, ErrTypeNCCL, ErrTypeStaleWeights, ErrTypeGPUWorkerLost, ErrTypeGPUUnavailable,
 		ErrTypeStepFailed, ErrTypeIterationFailed, ErrTypeStartToCloseTimeout, ErrTypeHeartbeatTimeout} {
 		if !seen[c] {
 			t.Errorf("constant %s missing from ErrorTypes", c)
 		}
 	}
-	if len(seen) != 16 {
-		t.Errorf("ErrorTypes has %d entries, the constants 16", len(seen))
+	if len(seen) != 17 {
+		t.Errorf("ErrorTypes has %d entries, the constants 17", len(seen))
 	}
 	// The activities' list before it moved here.
 	want := []string{"BadInput", "CommandNotFound", "OutputMissing", "ServerRejected", "NoGPUWorker"}

@@ -227,6 +227,10 @@ type StepContext struct {
 	// succeeded and no resume has since): a broadcast refuses a server it
 	// finds unpaused, which was restarted or resumed behind the run's back.
 	FleetPaused bool `json:"fleet_paused,omitempty"`
+	// Rerun numbers the interpreter's runs of this step after a re-sync
+	// (0: the first run). A re-run resumes the step's partial work as a
+	// retried attempt does.
+	Rerun int `json:"rerun,omitempty"`
 }
 
 // ExpectedWeights are the weights a run's last sync loaded into its servers.

@@ -270,7 +270,13 @@ func retryable(err error, rp *temporal.RetryPolicy) bool {
 	}
 	var te *temporal.TimeoutError
 	if errors.As(err, &te) {
-		return te.TimeoutType() == enumspb.TIMEOUT_TYPE_START_TO_CLOSE || te.TimeoutType() == enumspb.TIMEOUT_TYPE_HEARTBEAT
+		switch te.TimeoutType() {
+		case enumspb.TIMEOUT_TYPE_START_TO_CLOSE:
+			return !slices.Contains(rp.NonRetryableErrorTypes, pipelines.ErrTypeStartToCloseTimeout)
+		case enumspb.TIMEOUT_TYPE_HEARTBEAT:
+			return !slices.Contains(rp.NonRetryableErrorTypes, pipelines.ErrTypeHeartbeatTimeout)
+		}
+		return false
 	}
 	var term *temporal.TerminatedError
 	return !errors.As(err, &term)

@@ -470,3 +470,30 @@ func TestGPUWorkerLostErrorNamesTheCause(t *testing.T) {
 	assert.Contains(t, err.Error(), "GPU worker host-a (task queue rlflow-gpu/host-a/1001) lost (the activity reported it) on attempt 1 of 1: communicator aborted: device lost")
 	assert.Len(t, g.acquires, 1)
 }
+
+// The interpreter's own retries (GPU steps) honour retry.non_retryable as
+// Temporal does, the timeout names included.
+func TestRetryableAppliesNonRetryableNames(t *testing.T) {
+	startToClose := temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_START_TO_CLOSE, nil)
+	heartbeat := temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_HEARTBEAT, nil)
+	scheduleToStart := temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_SCHEDULE_TO_START, nil)
+	nccl := temporal.NewApplicationError("lost", pipelines.ErrTypeNCCL)
+	for _, tc := range []struct {
+		name         string
+		err          error
+		nonRetryable []string
+		want         bool
+	}{
+		{"start-to-close", startToClose, nil, true},
+		{"start-to-close named", startToClose, []string{pipelines.ErrTypeStartToCloseTimeout}, false},
+		{"heartbeat", heartbeat, []string{pipelines.ErrTypeStartToCloseTimeout}, true},
+		{"heartbeat named", heartbeat, []string{pipelines.ErrTypeHeartbeatTimeout}, false},
+		{"schedule-to-start", scheduleToStart, nil, false},
+		{"application", nccl, nil, true},
+		{"application named", nccl, []string{pipelines.ErrTypeNCCL}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			assert.Equal(t, tc.want, retryable(tc.err, &temporal.RetryPolicy{NonRetryableErrorTypes: tc.nonRetryable}))
+		})
+	}
+}

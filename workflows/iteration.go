@@ -3,6 +3,7 @@ package workflows
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 
@@ -21,6 +22,12 @@ type stepRun struct {
 	// interpreter's own attempt count (see runGPU).
 	gpu      bool
 	attempts int
+	// What the step was started with, for a re-run after a re-sync.
+	args   map[string]any
+	opts   workflow.ActivityOptions
+	actCtx workflow.Context
+	// resyncs counts the re-syncs this step's StaleWeights errors caused.
+	resyncs int
 }
 
 // RunIteration runs one pass over the pipeline's DAG. It fails with the first
@@ -35,7 +42,7 @@ func RunIteration(ctx workflow.Context, in IterationInput) (*IterationResult, er
 	if err != nil {
 		return nil, temporal.NewNonRetryableApplicationError(err.Error(), pipelines.ErrTypeBadInput, nil)
 	}
-	it := &interpreter{in: in, paused: in.Paused, servers: servers, gpu: newGPURouting(ctx, in)}
+	it := &interpreter{in: in, paused: in.Paused, servers: servers, gpu: newGPURouting(ctx, in), weights: in.Weights}
 	for i := range in.Spec.Steps {
 		s := &in.Spec.Steps[i]
 		it.order = append(it.order, s.ID)
@@ -57,6 +64,11 @@ type interpreter struct {
 	running   int
 	gpu       *gpuRouting        // nil: no GPU routing (disk backend, or recorded before it)
 	servers   []pipelines.Server // URLs rendered from the params
+	// weights are what the servers should serve: the last successful
+	// broadcast's (this iteration's or an earlier one's); nil before any.
+	weights *pipelines.ExpectedWeights
+	// fleetPaused: a pause step succeeded and no resume step since.
+	fleetPaused bool
 }
 
 func (it *interpreter) byID(id string) *stepRun {
@@ -140,7 +152,7 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 			it.waitWhilePaused(ctx, pauseCh, resumeCh)
 		}
 	}
-	res := &IterationResult{Iteration: it.in.Iteration, GPUHost: it.gpuHost()}
+	res := &IterationResult{Iteration: it.in.Iteration, GPUHost: it.gpuHost(), Weights: it.weights}
 	for _, r := range it.runs {
 		res.Steps = append(res.Steps, r.result)
 	}
@@ -282,11 +294,9 @@ func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipel
 		pipelines.CoerceArgs(s.Uses, args)
 	}
 	spec := it.in.Spec
-	args[pipelines.ContextArg] = pipelines.StepContext{
-		Pipeline: spec.Name, RunID: it.in.RunID, Iteration: it.in.Iteration, StepID: s.ID,
-		BaseDir: spec.BaseDir, Outputs: s.Outputs, Servers: it.servers, WeightTransfer: spec.WeightTransfer,
-	}
+	args[pipelines.ContextArg] = it.stepContext(s, it.servers)
 	opts := activityOptions(spec, s)
+	r.args, r.opts, r.actCtx = args, opts, actCtx
 	if it.isGPUStep(s) {
 		it.startGPU(actCtx, r, args, opts)
 		r.result.Status = StatusRunning
@@ -314,6 +324,10 @@ func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Futur
 	if err == nil {
 		r.result.Status = StatusSucceeded
 		r.result.Outputs, r.result.Attempts = splitMeta(out)
+		it.track(r)
+		return
+	}
+	if it.recoverStale(ctx, r, err) {
 		return
 	}
 	r.result.Attempts = attemptOf(err)
@@ -397,6 +411,11 @@ func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.Activity
 			MaximumAttempts:        int32(retry.MaxAttempts),
 			NonRetryableErrorTypes: retry.NonRetryable,
 		}
+	}
+	if slices.Contains(checksWeights, s.Uses) {
+		// The interpreter re-syncs the server before the retry (recoverStale):
+		// a plain retry would find it stale again.
+		rp.NonRetryableErrorTypes = append(slices.Clip(rp.NonRetryableErrorTypes), pipelines.ErrTypeStaleWeights)
 	}
 	return workflow.ActivityOptions{
 		ActivityID:          s.ID,

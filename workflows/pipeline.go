@@ -196,7 +196,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 	})
 	fut := workflow.ExecuteChildWorkflow(cctx, IterationWorkflow, IterationInput{
 		Spec: r.in.Spec, Params: r.in.Params, Iteration: iter, RunID: info.WorkflowExecution.ID, Paused: r.in.Paused,
-		GPUHost: r.in.GPUHost,
+		GPUHost: r.in.GPUHost, Weights: r.in.Weights,
 	})
 	var res IterationResult
 	var err error
@@ -219,6 +219,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 		// The next iteration (and the next run, after continue-as-new)
 		// reuses this worker and its transfer group.
 		r.in.GPUHost = res.GPUHost
+		r.in.Weights = res.Weights
 	}
 	sum := IterationSummary{Iteration: iter, WorkflowID: id, Status: StatusSucceeded, Outputs: map[string]map[string]any{}}
 	for _, s := range res.Steps {

@@ -80,6 +80,9 @@ type PipelineInput struct {
 	// GPUHost is the GPU worker the last iteration's transfer steps ran on
 	// (nccl only): the next iteration starts there, reusing its group.
 	GPUHost *GPUHost `json:"gpu_host,omitempty"`
+	// Weights are what the run's last broadcast loaded into the servers:
+	// generate and evaluate check that every server still serves them.
+	Weights *pipelines.ExpectedWeights `json:"weights,omitempty"`
 }
 
 // PipelineResult is the outcome of a finished run.
@@ -102,6 +105,9 @@ type IterationInput struct {
 	// GPUHost is the GPU worker acquired by an earlier iteration (nccl
 	// only); nil means acquire one before the first GPU step.
 	GPUHost *GPUHost `json:"gpu_host,omitempty"`
+	// Weights are what an earlier iteration's last broadcast loaded into
+	// the servers; nil before the run's first sync.
+	Weights *pipelines.ExpectedWeights `json:"weights,omitempty"`
 }
 
 // IterationResult lists every step's final state, in file order.
@@ -112,6 +118,9 @@ type IterationResult struct {
 	// last GPU step succeeded on (or the input's, when none ran); nil when
 	// the routing is off or the host was lost and not replaced.
 	GPUHost *GPUHost `json:"gpu_host,omitempty"`
+	// Weights are what the servers serve after this iteration: its last
+	// successful broadcast's, or the input's when none ran.
+	Weights *pipelines.ExpectedWeights `json:"weights,omitempty"`
 }
 
 // IterationSummary is what the parent keeps of a finished iteration: small.
@@ -146,6 +155,9 @@ type StepResult struct {
 	// GPUHost is the GPU worker a routed step runs (or last ran) on; a step
 	// that moved to another worker after a loss shows the last one.
 	GPUHost *GPUHost `json:"gpu_host,omitempty"`
+	// Resyncs counts the times the interpreter re-synced servers found on
+	// stale weights by this step, and ran it again.
+	Resyncs int `json:"resyncs,omitempty"`
 }
 
 // Progress answers QueryProgress.
