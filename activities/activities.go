@@ -59,6 +59,9 @@ type Activities struct {
 
 	// disk is the disk backend, which any worker runs.
 	disk *transfer.Disk
+
+	// execs are the exec commands this worker process runs (attempts.go).
+	execs execTable
 }
 
 // New returns the activities.

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/procs"
 	"go.temporal.io/sdk/activity"
 )
 
@@ -37,15 +38,25 @@ type ExecOutput struct {
 	Log      string
 	Values   map[string]any
 	Attempt  int
+	// AdoptedAttempt is the earlier attempt whose command this attempt
+	// adopted (0: its own command): Log and Values are that command's.
+	AdoptedAttempt int
 }
+
+// metaAdoptedAttempt is the metadata key of ExecOutput.AdoptedAttempt; like
+// every "_" key it is in the activity's result, never a step output.
+const metaAdoptedAttempt = "_adopted_attempt"
 
 // MarshalJSON flattens the declared values next to the fixed keys.
 func (o ExecOutput) MarshalJSON() ([]byte, error) {
-	m := make(map[string]any, len(o.Values)+3)
+	m := make(map[string]any, len(o.Values)+4)
 	for k, v := range o.Values {
 		m[k] = v
 	}
 	m["exit_code"], m["log"], m[pipelines.MetaAttempt] = o.ExitCode, o.Log, o.Attempt
+	if o.AdoptedAttempt > 0 {
+		m[metaAdoptedAttempt] = o.AdoptedAttempt
+	}
 	return json.Marshal(m)
 }
 
@@ -55,6 +66,9 @@ type ExecHeartbeat struct {
 	Log      string `json:"log"`
 	LogBytes int64  `json:"log_bytes"`
 	Elapsed  string `json:"elapsed"`
+	// AdoptedAttempt is the earlier attempt whose command this one waits
+	// for, when it adopted one.
+	AdoptedAttempt int `json:"adopted_attempt,omitempty"`
 }
 
 const (
@@ -64,15 +78,26 @@ const (
 
 // Exec runs a command: its stdout and stderr go to one log file per attempt,
 // it heartbeats while the command runs, and on cancellation or timeout its
-// whole process group gets SIGTERM, then SIGKILL after kill_grace.
+// whole process group and every process carrying its tag get SIGTERM, then
+// SIGKILL after kill_grace.
+//
+// One trainer per step (attempts.go has the whole rule): before it starts
+// the command, Exec kills whatever an earlier attempt of the step left
+// running on this host, or, when that attempt was lost to the server while
+// its command ran on in this worker process, adopts the command: it waits
+// for it and reports its exit code, log and outputs as this attempt's, with
+// _adopted_attempt naming the attempt that started it.
 func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error) {
+	return a.exec(ctx, in, attemptInfoOf(ctx))
+}
+
+func (a *Activities) exec(ctx context.Context, in ExecInput, at attemptInfo) (*ExecOutput, error) {
 	if err := resolveArgs(ctx, pipelines.StepExec, &in); err != nil {
 		return nil, err
 	}
 	if in.Command[0] == "" {
 		return nil, badInput(ctx, "exec: command[0], the program, is empty")
 	}
-	attempt := attemptOf(ctx)
 	sc := in.Context
 	dir := resolvePath(sc.BaseDir, in.Dir)
 	if dir != "" {
@@ -84,61 +109,63 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 	if err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeCommandNotFound, err, "exec")
 	}
-
 	logDir := stepDir(a.LogDir, sc)
 	if err := os.MkdirAll(logDir, 0o755); err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the log dir")
 	}
-	logPath := filepath.Join(logDir, fmt.Sprintf("attempt-%d.log", attempt))
+	logPath := filepath.Join(logDir, fmt.Sprintf("attempt-%d.log", at.Attempt))
 	logFile, err := os.Create(logPath)
 	if err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the log")
 	}
 	defer logFile.Close()
-	outputsPath := filepath.Join(logDir, fmt.Sprintf("attempt-%d.outputs", attempt))
-	if err := os.WriteFile(outputsPath, nil, 0o644); err != nil {
-		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: creating the outputs file")
+
+	// Settle the step's earlier attempts and start (or adopt) the command
+	// under the step's claim, heartbeating: killing an earlier command may
+	// take its kill_grace.
+	grace := in.KillGrace.D()
+	key := stepKey(sc)
+	stopBeat := a.keepHeartbeating(ctx)
+	slot, release := a.execs.lock(key)
+	p, taken, err := a.settle(ctx, key, slot, at, grace)
+	if err == nil && p == nil {
+		p, taken, err = a.startCommand(in, prog, dir, logFile, logPath, at, key, slot)
+	}
+	release()
+	stopBeat()
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: attempt %d", at.Attempt)
+	}
+	adopted := 0
+	if p.rec.Attempt != at.Attempt {
+		adopted = p.rec.Attempt
+		fmt.Fprintf(logFile, "rlflow: attempt %d adopted the command of attempt %d (%s), which the Temporal server had lost while the command ran on; "+
+			"it waits for that command instead of starting a second one. The command's output is in %s\n", at.Attempt, adopted, p.rec.Leader, p.rec.Log)
 	}
 
-	cmd := exec.Command(prog, in.Command[1:]...)
-	cmd.Dir = dir
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.Env = append(os.Environ(),
-		"RLFLOW_OUTPUTS="+outputsPath,
-		"RLFLOW_PIPELINE="+sc.Pipeline,
-		"RLFLOW_RUN_ID="+sc.RunID,
-		"RLFLOW_ITERATION="+strconv.Itoa(sc.Iteration),
-		"RLFLOW_STEP="+sc.StepID,
-		"RLFLOW_ATTEMPT="+strconv.Itoa(attempt),
-	)
-	keys := make([]string, 0, len(in.Env))
-	for k := range in.Env {
-		keys = append(keys, k)
+	waitErr, err := a.supervise(ctx, p, taken, at, grace, adopted)
+	if err != nil {
+		return nil, err
 	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		cmd.Env = append(cmd.Env, k+"="+in.Env[k])
-	}
-	// Own process group, so cancellation reaches the command's children;
-	// Pdeathsig, so a SIGKILLed worker does not leave the command running
-	// next to the retry that another worker starts.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: starting %s", prog)
-	}
-	waitErr := a.superviseProcess(ctx, cmd, logPath, in.KillGrace.D())
-	tail := fileTail(logPath, logTailBytes)
-
 	if ctx.Err() != nil {
 		return nil, ctx.Err()
+	}
+	logPath, outputsPath := p.rec.Log, p.rec.Outputs
+	tail := fileTail(logPath, logTailBytes)
+	from := ""
+	if adopted > 0 {
+		from = fmt.Sprintf(", attempt %d's command", adopted)
 	}
 	if waitErr != nil {
 		var exitErr *exec.ExitError
 		if errors.As(waitErr, &exitErr) {
 			if ws, ok := exitErr.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-				return nil, stepError(ctx, pipelines.ErrTypeSignal, nil, "exec: %s killed by signal %v (log %s); log tail:\n%s", in.Command[0], ws.Signal(), logPath, tail)
+				return nil, stepError(ctx, pipelines.ErrTypeSignal, nil, "exec: %s killed by signal %v (log %s%s); log tail:\n%s", in.Command[0], ws.Signal(), logPath, from, tail)
 			}
-			return nil, stepError(ctx, pipelines.ErrTypeExit, nil, "exec: %s exited with code %d (log %s); log tail:\n%s", in.Command[0], exitErr.ExitCode(), logPath, tail)
+			return nil, stepError(ctx, pipelines.ErrTypeExit, nil, "exec: %s exited with code %d (log %s%s); log tail:\n%s", in.Command[0], exitErr.ExitCode(), logPath, from, tail)
 		}
 		return nil, stepError(ctx, pipelines.ErrTypeIO, waitErr, "exec: waiting for %s", in.Command[0])
 	}
@@ -153,42 +180,106 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 		}
 	}
 	if len(missing) > 0 {
-		return nil, stepError(ctx, pipelines.ErrTypeOutputMissing, nil, "exec: %s did not write declared output(s) %s to $RLFLOW_OUTPUTS; log tail:\n%s",
-			in.Command[0], strings.Join(missing, ", "), tail)
+		return nil, stepError(ctx, pipelines.ErrTypeOutputMissing, nil, "exec: %s did not write declared output(s) %s to $RLFLOW_OUTPUTS (log %s%s); log tail:\n%s",
+			in.Command[0], strings.Join(missing, ", "), logPath, from, tail)
 	}
-	return &ExecOutput{ExitCode: 0, Log: logPath, Values: values, Attempt: attempt}, nil
+	return &ExecOutput{ExitCode: 0, Log: logPath, Values: values, Attempt: at.Attempt, AdoptedAttempt: adopted}, nil
 }
 
-// superviseProcess waits for cmd, heartbeating, and kills its process group
-// when ctx ends. It returns cmd.Wait's error.
-func (a *Activities) superviseProcess(ctx context.Context, cmd *exec.Cmd, logPath string, grace time.Duration) error {
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	start := time.Now()
+// startCommand starts the attempt's own command: a fresh outputs file, the
+// step's environment plus a fresh tag, its own process group.
+func (a *Activities) startCommand(in ExecInput, prog, dir string, logFile *os.File, logPath string, at attemptInfo, key string, slot *execSlot) (*liveExec, <-chan struct{}, error) {
+	sc := in.Context
+	h, err := a.execs.self()
+	if err != nil {
+		return nil, nil, err
+	}
+	tag, err := procs.NewTag()
+	if err != nil {
+		return nil, nil, err
+	}
+	outputsPath := filepath.Join(filepath.Dir(logPath), fmt.Sprintf("attempt-%d.outputs", at.Attempt))
+	if err := os.WriteFile(outputsPath, nil, 0o644); err != nil {
+		return nil, nil, fmt.Errorf("creating the outputs file: %w", err)
+	}
+	cmd := exec.Command(prog, in.Command[1:]...)
+	cmd.Dir = dir
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.Env = append(os.Environ(),
+		"RLFLOW_OUTPUTS="+outputsPath,
+		"RLFLOW_PIPELINE="+sc.Pipeline,
+		"RLFLOW_RUN_ID="+sc.RunID,
+		"RLFLOW_ITERATION="+strconv.Itoa(sc.Iteration),
+		"RLFLOW_STEP="+sc.StepID,
+		"RLFLOW_ATTEMPT="+strconv.Itoa(at.Attempt),
+	)
+	keys := make([]string, 0, len(in.Env))
+	for k := range in.Env {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		cmd.Env = append(cmd.Env, k+"="+in.Env[k])
+	}
+	// Last, so the step's env cannot change it: every descendant carries
+	// it, which is how Kill finds the ones that leave the group.
+	cmd.Env = append(cmd.Env, procs.TagEnv+"="+tag)
+	// Own process group, so cancellation reaches the command's children;
+	// Pdeathsig, so a SIGKILLed worker's command dies with it (its
+	// descendants are found by the tag: by the next worker's sweep, or
+	// the step's next attempt).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	rec := attemptRecord{RunID: sc.RunID, Iteration: sc.Iteration, StepID: sc.StepID,
+		WorkflowID: at.WorkflowID, WorkflowRunID: at.WorkflowRunID, ActivityID: at.ActivityID, Attempt: at.Attempt,
+		Tag: tag, Log: logPath, Outputs: outputsPath, KillGrace: in.KillGrace, Started: time.Now(), Deadline: at.Deadline,
+		Owner: h.Self, Host: h.Name, BootID: h.BootID}
+	p, err := a.startLive(cmd, rec, key, slot, in.KillGrace.D())
+	if p == nil {
+		return nil, nil, fmt.Errorf("starting %s: %w", prog, err)
+	}
+	if err != nil {
+		// The command runs but its record is not current: end it rather
+		// than run what a restarted worker might not find.
+		_, _ = p.kill(context.Background(), in.KillGrace.D())
+		return nil, nil, err
+	}
+	return p, p.taken, nil
+}
+
+// supervise waits for p's command on behalf of attempt at, heartbeating.
+// It returns cmd.Wait's error once the command ended, or err when the
+// attempt must return without a result: its context ended (the command is
+// killed, or detached when the server lost the attempt) or a later attempt
+// adopted the command.
+func (a *Activities) supervise(ctx context.Context, p *liveExec, taken <-chan struct{}, at attemptInfo, grace time.Duration, adopted int) (waitErr, err error) {
 	tick := time.NewTicker(a.heartbeatEvery(ctx))
 	defer tick.Stop()
-	pgid := cmd.Process.Pid
 	for {
 		select {
-		case err := <-done:
-			return err
+		case <-p.done:
+			p.finish()
+			return p.waitErr, nil
+		case <-taken:
+			return nil, stepError(ctx, pipelines.ErrTypeIO, nil,
+				"exec: a later attempt of this step adopted attempt %d's command (the server had given attempt %d up)", at.Attempt, at.Attempt)
 		case <-tick.C:
 			if activity.IsActivity(ctx) {
 				var size int64
-				if st, err := os.Stat(logPath); err == nil {
+				if st, err := os.Stat(p.rec.Log); err == nil {
 					size = st.Size()
 				}
-				activity.RecordHeartbeat(ctx, ExecHeartbeat{PID: pgid, Log: logPath, LogBytes: size, Elapsed: time.Since(start).Round(time.Second).String()})
+				activity.RecordHeartbeat(ctx, ExecHeartbeat{PID: p.rec.Leader.PID, Log: p.rec.Log, LogBytes: size,
+					Elapsed: time.Since(p.rec.Started).Round(time.Second).String(), AdoptedAttempt: adopted})
 			}
 		case <-ctx.Done():
-			_ = syscall.Kill(-pgid, syscall.SIGTERM)
-			select {
-			case err := <-done:
-				return err
-			case <-time.After(grace):
-				_ = syscall.Kill(-pgid, syscall.SIGKILL)
-				return <-done
+			if lostToServer(context.Cause(ctx)) && !at.Last && !at.Deadline.IsZero() && time.Now().Before(at.Deadline) &&
+				p.detach(at.Attempt, at.Deadline) {
+				return nil, ctx.Err()
 			}
+			if _, kerr := p.kill(context.Background(), grace); kerr != nil {
+				return nil, stepError(ctx, pipelines.ErrTypeIO, kerr, "exec: ending %s after the attempt ended (%v)", p.rec.Leader, context.Cause(ctx))
+			}
+			return nil, ctx.Err()
 		}
 	}
 }

@@ -11,6 +11,7 @@ package worker
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"path/filepath"
 
 	"github.com/rlflow/rlflow/activities"
@@ -86,7 +87,32 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		MaxConcurrentActivityTaskPollers: 32,
 		MaxConcurrentWorkflowTaskPollers: 4,
 	})
+	acts := activities.New(opts.Deps)
+	if err := sweepAttempts(acts); err != nil {
+		return nil, err
+	}
 	RegisterWorkflows(w)
-	RegisterControlActivities(w, activities.New(opts.Deps))
+	RegisterControlActivities(w, acts)
 	return w, nil
+}
+
+// sweepAttempts kills what exec attempts of dead workers left running on
+// this host (a SIGKILLed worker's trainer and its descendants) before this
+// worker takes steps, so a retry never runs next to them.
+func sweepAttempts(acts *activities.Activities) error {
+	swept, err := acts.SweepAttempts(context.Background())
+	if err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
+	for _, s := range swept {
+		attrs := []any{"run", s.RunID, "iteration", s.Iteration, "step", s.StepID, "attempt", s.Attempt,
+			"dead_worker_pid", s.Worker, "killed", len(s.Killed)}
+		if s.Err != nil {
+			slog.Warn("rlflow worker: could not end a dead worker's exec attempt; the step's next attempt on this host tries again",
+				append(attrs, "err", s.Err)...)
+			continue
+		}
+		slog.Info("rlflow worker: ended a dead worker's exec attempt", attrs...)
+	}
+	return nil
 }
