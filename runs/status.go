@@ -44,6 +44,12 @@ func GetStatus(ctx context.Context, c client.Client, workflowID, runID string) (
 	return getStatus(ctx, c, workflowID, runID, once)
 }
 
+// WaitStatus is GetStatus waiting out a Temporal outage of any length at
+// address, telling say when it starts and ends (as run --wait does).
+func WaitStatus(ctx context.Context, c client.Client, address, workflowID, runID string, say func(string)) (*RunStatus, error) {
+	return getStatus(ctx, c, workflowID, runID, newOutages(address, say).do)
+}
+
 // once is a call that does not wait out outages.
 func once(ctx context.Context, fn func(context.Context) error) error { return fn(ctx) }
 

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
+	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
@@ -113,17 +115,25 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 		Short: "Show a run's iteration, each step's state, attempts and last error",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.withClient(cmd.Context(), func(c client.Client) error {
-				st, err := runs.GetStatus(cmd.Context(), c, args[0], "")
-				if err != nil {
-					return &exitError{code: 1, err: err}
-				}
-				if asJSON {
-					return writeJSON(cmd.OutOrStdout(), st)
-				}
-				runs.PrintStatus(cmd.OutOrStdout(), st)
-				return nil
-			})
+			// A Temporal outage is waited out, saying so on stderr, as
+			// run --wait does: Ctrl-C stops waiting.
+			ctx := cmd.Context()
+			errOut := cmd.ErrOrStderr()
+			c, err := runs.Dial(ctx, runs.DialOptions{Address: g.address, Namespace: g.namespace,
+				Log: slog.New(slog.NewTextHandler(errOut, &slog.HandlerOptions{Level: slog.LevelWarn})), Backoff: runs.Backoff{Min: time.Second, Max: 5 * time.Second}})
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			st, err := runs.WaitStatus(ctx, c, g.address, args[0], "", func(line string) { fmt.Fprintln(errOut, line) })
+			if err != nil {
+				return &exitError{code: 1, err: err}
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), st)
+			}
+			runs.PrintStatus(cmd.OutOrStdout(), st)
+			return nil
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
