@@ -75,6 +75,15 @@ func formatDoc(f ArgFormat) string {
 
 func bound(v float64) *float64 { return &v }
 
+// checkExactInt refuses an integer that JSON, as the workflow decodes it,
+// would not carry exactly.
+func checkExactInt(x int64) error {
+	if x > MaxExactInt || x < -MaxExactInt {
+		return fmt.Errorf("integer %d is beyond ±%d (2^53), the integers workflow input carries exactly as JSON numbers", x, int64(MaxExactInt))
+	}
+	return nil
+}
+
 // seconds is a duration bound in the unit ArgSpec.Min and Max use.
 func seconds(d time.Duration) *float64 { return bound(d.Seconds()) }
 
@@ -97,6 +106,9 @@ func (a ArgSpec) Check(v any) error {
 		x, ok := asInt64(v)
 		if !ok {
 			return a.kindError(v)
+		}
+		if err := checkExactInt(x); err != nil {
+			return err
 		}
 		return a.checkRange(float64(x), strconv.FormatInt(x, 10), x == 0)
 	case KindFloat:
@@ -431,6 +443,9 @@ func asFloat64(v any) (float64, bool) {
 
 func sortedKeys[V any](m map[string]V) []string {
 	keys := make([]string, 0, len(m))
+	// Sorted below: the order of the loop never shows (workflow code
+	// renders expressions through this).
+	//workflowcheck:ignore
 	for k := range m {
 		keys = append(keys, k)
 	}

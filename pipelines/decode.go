@@ -1,6 +1,7 @@
 package pipelines
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"reflect"
@@ -370,9 +371,16 @@ func (l *loader) integer(n *yaml.Node, path string) (int64, bool) {
 	return v, true
 }
 
+func isRangeError(_ float64, err error) bool { return errors.Is(err, strconv.ErrRange) }
+
 func (l *loader) float(n *yaml.Node, path string) (float64, bool) {
 	dn := deref(n)
 	if dn.Kind != yaml.ScalarNode || (dn.ShortTag() != "!!int" && dn.ShortTag() != "!!float") {
+		if dn.Kind == yaml.ScalarNode && dn.Style == 0 && isRangeError(strconv.ParseFloat(dn.Value, 64)) {
+			// yaml.v3 reads a plain 1e309 as a string.
+			l.errNode(n, path, "number %s is out of range: a float64 holds at most about 1.8e308", dn.Value)
+			return 0, false
+		}
 		l.errNode(n, path, "must be a number, got %s", describe(n))
 		return 0, false
 	}

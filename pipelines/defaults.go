@@ -65,3 +65,42 @@ const (
 	// duration would silently mean "the default", so it is refused.
 	minTimeout = time.Millisecond
 )
+
+// Bounds that keep a valid pipeline inside Temporal's default limits
+// (limit.blobSize.error 2 MiB per payload, limit.historySize.error 50 MiB
+// and limit.historyCount.error 51,200 events per run), so that a file
+// `rlflow validate` passes does not fail on them at run time.
+const (
+	// MaxSpecBytes bounds the loaded pipeline as JSON. It travels whole as
+	// the input of the pipeline workflow and of every iteration workflow
+	// (its steps' `with` again in each activity's input), and Temporal
+	// refuses a payload over 2 MiB; 1.5 MiB leaves the rest of the input
+	// (params, the carried iteration summaries, the step context) 0.5 MiB.
+	MaxSpecBytes = 3 << 19
+	// MaxRunSpecBytes bounds the copies of the spec one pipeline workflow
+	// run writes to its history: its own input and the input of each of
+	// its continue_as_new_every iterations. 40 MiB of Temporal's 50 MiB
+	// leave room for the iterations' results and the other events.
+	MaxRunSpecBytes = 40 << 20
+	// MaxContinueAsNewEvery bounds loop.continue_as_new_every: each
+	// iteration adds about ten events to the pipeline run's history, and
+	// Temporal ends a run at 51,200; 1000 iterations stay near the 10,240
+	// events at which it starts to warn.
+	MaxContinueAsNewEvery = 1000
+	// MaxRetryInterval bounds retry.initial_interval and max_interval:
+	// with no max_interval Temporal waits up to 100 × initial_interval,
+	// and a product past int64 nanoseconds (initial_interval over about
+	// 25,620h) makes it refuse every attempt to schedule the step, failing
+	// the workflow task forever. A year is far beyond any useful wait.
+	MaxRetryInterval = 365 * 24 * time.Hour
+	// MinHeartbeat bounds a heartbeat timeout from below: activities beat
+	// at most every 10ms, Temporal's SDK throttles beats to 80% of the
+	// timeout, and a beat crosses the network to the server, so a shorter
+	// timeout fails a healthy step.
+	MinHeartbeat = time.Second
+)
+
+// MaxExactInt bounds the integers of `with` values and int params: they
+// travel as JSON numbers in workflow input and are decoded as float64 by
+// the workflow, which holds integers exactly only up to 2^53.
+const MaxExactInt = 1 << 53

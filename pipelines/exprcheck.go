@@ -152,6 +152,9 @@ func (l *loader) checkExpr(src string, site exprSite, scope exprScope, cond bool
 	}
 	before := len(l.errs)
 	l.checkRefs(tree.Node, src, site, scope)
+	if len(l.errs) == before {
+		l.checkArith(tree.Node, src, site)
+	}
 	if len(l.errs) != before {
 		return
 	}
@@ -395,6 +398,73 @@ func (l *loader) checkRoot(id *ast.IdentifierNode, props []prop, src string, sit
 		}
 	default:
 		report("unknown variable %q (want params, steps or loop)", clip(id.Value))
+	}
+}
+
+// constFolder computes the constant operands of arithmetic, inside out
+// (ast.Walk visits children first), with the run-time rules.
+type constFolder struct {
+	consts map[ast.Node]any
+	found  []arithProblem
+}
+
+type arithProblem struct {
+	at  ast.Node
+	err error
+}
+
+func (c *constFolder) Visit(n *ast.Node) {
+	switch x := (*n).(type) {
+	case *ast.IntegerNode:
+		c.consts[x] = x.Value
+	case *ast.FloatNode:
+		c.consts[x] = x.Value
+	case *ast.UnaryNode:
+		v, ok := c.consts[x.Node]
+		if !ok || (x.Operator != "-" && x.Operator != "+") {
+			return
+		}
+		if x.Operator == "+" {
+			c.consts[x] = v
+			return
+		}
+		if r, err := checkedArith("-", 0, v); err == nil {
+			c.consts[x] = r
+		}
+	case *ast.BinaryNode:
+		if !arithOps[x.Operator] {
+			return
+		}
+		right, rok := c.consts[x.Right]
+		left, lok := c.consts[x.Left]
+		switch {
+		case lok && rok:
+			r, err := checkedArith(x.Operator, left, right)
+			if err != nil {
+				c.found = append(c.found, arithProblem{x, err})
+				return
+			}
+			c.consts[x] = r
+		case rok && (x.Operator == "/" || x.Operator == "%"):
+			if n, ok := asNumber(right); ok && n.f == 0 {
+				what := "division"
+				if x.Operator == "%" {
+					what = "modulo"
+				}
+				c.found = append(c.found, arithProblem{x, fmt.Errorf("%s by zero", what)})
+			}
+		}
+	}
+}
+
+// checkArith refuses arithmetic that fails whatever the variables hold:
+// a division or modulo by a literal zero, and constant operands that
+// overflow (`1e308 * 10`) or break a rule of checkedArith (`3 % 1.5`).
+func (l *loader) checkArith(root ast.Node, src string, site exprSite) {
+	c := &constFolder{consts: map[ast.Node]any{}}
+	ast.Walk(&root, c)
+	for _, p := range c.found {
+		l.errExpr(site, runeOffset(src, p.at.Location().From), "invalid expression %q: %v", clip(src), p.err)
 	}
 }
 

@@ -25,6 +25,11 @@ const (
 	MaxNodes = 100_000
 	// MaxDepth bounds the nesting of a document, aliases expanded.
 	MaxDepth = 64
+	// MaxExpandedBytes bounds the text of a document's scalars, aliases
+	// expanded: without it a 3 MiB string aliased 40,000 times is a 120 GB
+	// spec in a 4 MiB file, and checking its expressions takes hours.
+	// Aliases may not make a document larger than the largest file.
+	MaxExpandedBytes = MaxFileBytes
 	// MaxSteps bounds the steps of one pipeline.
 	MaxSteps = 1000
 
@@ -38,23 +43,66 @@ const (
 	maxErrors    = 1000
 )
 
-// LoadFile reads and loads a pipeline file. Files over MaxFileBytes are
-// refused without being read.
+// LoadFile reads and loads a pipeline file. Only a regular file is read
+// (a symbolic link to one is followed): a FIFO would block the read until
+// a writer comes, a device may never end, and a directory has no text.
+// Files over MaxFileBytes are refused without being read. A problem with
+// the file as a whole is an ErrorList positioned at 1:1, like the file's
+// other problems; a file that cannot be opened is the os error, wrapped.
 func LoadFile(path string) (*Pipeline, error) {
-	f, err := os.Open(path)
+	// Stat first so that a FIFO is refused before open, which would wait
+	// for a writer; openNoBlock and the Stat of the opened file close the
+	// race with a path replaced in between.
+	st, err := os.Stat(path)
+	if err != nil {
+		return nil, fmt.Errorf("loading pipeline: %w", err)
+	}
+	if bad := fileProblem(path, st); bad != nil {
+		return nil, ErrorList{bad}
+	}
+	f, err := openNoBlock(path)
 	if err != nil {
 		return nil, fmt.Errorf("loading pipeline: %w", err)
 	}
 	defer f.Close()
-	if st, err := f.Stat(); err == nil && st.Mode().IsRegular() && st.Size() > MaxFileBytes {
-		return nil, ErrorList{tooBig(path, st.Size())}
+	if st, err = f.Stat(); err != nil {
+		return nil, fmt.Errorf("loading pipeline: %w", err)
 	}
-	// The limit also applies to files whose size Stat cannot tell (pipes).
+	if bad := fileProblem(path, st); bad != nil {
+		return nil, ErrorList{bad}
+	}
+	// The file may grow after Stat: read one byte past the limit to tell.
 	data, err := io.ReadAll(io.LimitReader(f, MaxFileBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("loading pipeline: %w", err)
 	}
 	return Load(path, data)
+}
+
+// fileProblem refuses what is not a regular file of at most MaxFileBytes.
+func fileProblem(path string, st os.FileInfo) *FieldError {
+	mode := st.Mode()
+	if mode.IsRegular() {
+		if st.Size() > MaxFileBytes {
+			return tooBig(path, st.Size())
+		}
+		return nil
+	}
+	what := "not a regular file"
+	switch {
+	case mode.IsDir():
+		what = "a directory"
+	case mode&os.ModeNamedPipe != 0:
+		what = "a named pipe (FIFO)"
+	case mode&os.ModeSocket != 0:
+		what = "a socket"
+	case mode&os.ModeCharDevice != 0:
+		what = "a character device"
+	case mode&os.ModeDevice != 0:
+		what = "a block device"
+	}
+	return &FieldError{File: path, Line: 1, Col: 1,
+		Msg: fmt.Sprintf("%s, not a regular file: a pipeline is read from a regular file only", what)}
 }
 
 func tooBig(file string, size int64) *FieldError {
@@ -176,6 +224,9 @@ func (l *loader) load(path string) *Pipeline {
 	l.p = p
 	l.decodeObject(root, reflect.ValueOf(p).Elem(), pipelineObj, "")
 	l.check(path)
+	if len(l.errs) == 0 {
+		l.checkSpecSize()
+	}
 	return p
 }
 
@@ -400,10 +451,11 @@ func (l *loader) measure(root *yaml.Node) bool {
 	return true
 }
 
-type shape struct{ size, height int }
+type shape struct{ size, height, bytes int }
 
 type measurer struct {
-	total  int
+	total  int                  // nodes, aliases expanded
+	bytes  int                  // scalar text, aliases expanded
 	memo   map[*yaml.Node]shape // anchored nodes only: aliases reuse them
 	active map[*yaml.Node]bool  // anchored nodes being walked
 	failed string
@@ -440,41 +492,56 @@ func (m *measurer) walk(n *yaml.Node, depth int) shape {
 		s, ok := m.memo[t]
 		if !ok {
 			s = m.walk(t, depth)
-			return shape{s.size + 1, s.height}
+			return shape{s.size + 1, s.height, s.bytes}
 		}
 		if depth+s.height-1 > MaxDepth {
 			m.fail(n, "document nests deeper than %d levels (aliases expanded)", MaxDepth)
 			return shape{}
 		}
 		m.total += s.size + 1
-		if m.total > MaxNodes {
-			m.fail(n, "document is too large: more than %d YAML nodes (aliases expanded)", MaxNodes)
+		m.bytes += s.bytes
+		if !m.within(n) {
 			return shape{}
 		}
-		return shape{s.size + 1, s.height}
+		return shape{s.size + 1, s.height, s.bytes}
 	}
 	m.total++
-	if m.total > MaxNodes {
-		m.fail(n, "document is too large: more than %d YAML nodes (aliases expanded)", MaxNodes)
+	m.bytes += len(n.Value)
+	if !m.within(n) {
 		return shape{}
 	}
 	if n.Anchor != "" {
 		m.active[n] = true
 		defer delete(m.active, n)
 	}
-	s := shape{size: 1, height: 1}
+	s := shape{size: 1, height: 1, bytes: len(n.Value)}
 	for _, c := range n.Content {
 		cs := m.walk(c, depth+1)
 		if m.failed != "" {
 			return shape{}
 		}
 		s.size += cs.size
+		s.bytes += cs.bytes
 		s.height = max(s.height, cs.height+1)
 	}
 	if n.Anchor != "" {
 		m.memo[n] = s
 	}
 	return s
+}
+
+// within reports whether the totals are inside the limits, failing at n
+// when they are not.
+func (m *measurer) within(n *yaml.Node) bool {
+	switch {
+	case m.total > MaxNodes:
+		m.fail(n, "document is too large: more than %d YAML nodes (aliases expanded)", MaxNodes)
+	case m.bytes > MaxExpandedBytes:
+		m.fail(n, "document is too large: more than %d bytes of text (aliases expanded); the limit is that of a file", MaxExpandedBytes)
+	default:
+		return true
+	}
+	return false
 }
 
 // defaultBaseDir is the absolute directory of path.

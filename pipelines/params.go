@@ -54,6 +54,34 @@ func (p *Pipeline) ResolveParamValues(values map[string]any) (map[string]any, er
 	return p.resolveParams(values)
 }
 
+// TypedParams returns values with each declared param's value in its
+// declared type where it converts, as ResolveParamValues would convert it
+// (an integral float64 becomes int64 for an int param); other values are
+// kept as they are. The pipeline workflow resolves the params once; an
+// iteration workflow receives them through JSON, every number a float64,
+// and calls this so that expressions see `params.n` as an int again. It
+// is pure and never fails, so workflow code may call it; values is not
+// modified.
+func (p *Pipeline) TypedParams(values map[string]any) map[string]any {
+	if len(values) == 0 {
+		return values
+	}
+	out := make(map[string]any, len(values))
+	// Map to map: the order never shows.
+	//workflowcheck:ignore
+	for k, v := range values {
+		out[k] = v
+	}
+	for _, prm := range p.Params {
+		if v, ok := values[prm.Name]; ok {
+			if c, err := coerceParam(prm.Type, v, true); err == nil {
+				out[prm.Name] = c
+			}
+		}
+	}
+	return out
+}
+
 func (p *Pipeline) resolveParams(given map[string]any) (map[string]any, error) {
 	var errs []string
 	names := make([]string, len(p.Params))
@@ -134,26 +162,33 @@ func coerceParam(t ParamType, v any, lenient bool) (any, error) {
 			return s, nil
 		}
 	case ParamInt:
+		n, ok := int64(0), false
 		switch x := v.(type) {
 		case int64:
-			return x, nil
+			n, ok = x, true
 		case int:
-			return int64(x), nil
+			n, ok = int64(x), true
 		case float64:
-			if lenient && x == math.Trunc(x) && math.Abs(x) < 1<<53 {
-				return int64(x), nil
+			// An int after a JSON round trip: what the workflow sees.
+			if lenient && x == math.Trunc(x) && math.Abs(x) <= MaxExactInt {
+				n, ok = int64(x), true
 			}
 		case json.Number:
-			if n, err := x.Int64(); err == nil {
-				return n, nil
-			}
+			var err error
+			n, err = x.Int64()
+			ok = err == nil
 		case string:
 			if lenient {
-				n, err := strconv.ParseInt(strings.TrimSpace(x), 10, 64)
-				if err == nil {
-					return n, nil
-				}
+				var err error
+				n, err = strconv.ParseInt(strings.TrimSpace(x), 10, 64)
+				ok = err == nil
 			}
+		}
+		if ok {
+			if err := checkExactInt(n); err != nil {
+				return nil, err
+			}
+			return n, nil
 		}
 	case ParamFloat:
 		var f float64

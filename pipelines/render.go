@@ -1,11 +1,13 @@
 package pipelines
 
 import (
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
 
 	"github.com/expr-lang/expr"
+	"github.com/expr-lang/expr/file"
 	"github.com/expr-lang/expr/vm"
 )
 
@@ -117,22 +119,58 @@ func exprOptions() []expr.Option {
 	return []expr.Option{expr.DisableBuiltin("now"), expr.DisableBuiltin("date")}
 }
 
-// CompileExpr compiles an expression with rlflow's options.
+// CompileExpr compiles an expression with rlflow's options and its
+// checked arithmetic (arith.go).
 func CompileExpr(src string) (*vm.Program, error) {
-	return expr.Compile(src, exprOptions()...)
+	return expr.Compile(src, append(exprOptions(), arithOptions()...)...)
 }
 
-// EvalExpr evaluates one expression against env.
+// EvalExpr evaluates one expression against env. A value that is not a
+// finite number (or holds one) is an error, never a result: JSON cannot
+// carry it, and a step given +Inf has been given nonsense.
 func EvalExpr(src string, env Env) (any, error) {
 	prog, err := CompileExpr(src)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("compiling %q: %w", clip(src), oneLine(err))
 	}
 	v, err := expr.Run(prog, env.vars())
 	if err != nil {
-		return nil, fmt.Errorf("evaluating %q: %w", src, err)
+		return nil, fmt.Errorf("evaluating %q: %w", clip(src), oneLine(err))
+	}
+	if err := checkFinite(v); err != nil {
+		return nil, fmt.Errorf("evaluating %q: %w", clip(src), err)
 	}
 	return v, nil
+}
+
+// exprError is an expr-lang error on one line: its message and column,
+// without the source snippet expr appends over several lines.
+type exprError struct {
+	msg    string
+	column int
+	cause  error
+}
+
+func (e *exprError) Error() string {
+	if e.column > 0 {
+		return fmt.Sprintf("%s (column %d)", e.msg, e.column)
+	}
+	return e.msg
+}
+
+func (e *exprError) Unwrap() error { return e.cause }
+
+func oneLine(err error) error {
+	var fe *file.Error
+	if !errors.As(err, &fe) {
+		return err
+	}
+	msg, _, _ := strings.Cut(fe.Message, "\n")
+	col := 0
+	if fe.Line == 1 {
+		col = fe.Column + 1
+	}
+	return &exprError{msg: strings.TrimSpace(msg), column: col, cause: err}
 }
 
 // EvalCondition evaluates a when/until condition; it must yield a bool.

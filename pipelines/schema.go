@@ -107,11 +107,11 @@ var retryObj = &object{
 	doc: "A Temporal retry policy for a step's activity.",
 	typ: reflect.TypeOf(RetryPolicy{}),
 	fields: []field{
-		{name: "max_attempts", min: bound(0), max: bound(maxInt32), defDoc: fmt.Sprintf("0 (unlimited); a step with no retry policy at all gets %d attempts", DefaultMaxAttempts),
-			doc: "attempts in all, the first included; 0 means unlimited, 1 means no retry"},
-		{name: "initial_interval", min: seconds(minTimeout), defDoc: "Temporal's, 1s", doc: "wait before the first retry"},
+		{name: "max_attempts", min: bound(0), max: bound(maxInt32), defDoc: fmt.Sprintf("in a step's retry, defaults.retry's max_attempts; else %d, as for a step with no retry policy", DefaultMaxAttempts),
+			doc: "attempts in all, the first included; 1 means no retry, and 0 (only when written) means unlimited, Temporal's meaning"},
+		{name: "initial_interval", min: seconds(minTimeout), max: seconds(MaxRetryInterval), defDoc: "Temporal's, 1s", doc: "wait before the first retry"},
 		{name: "backoff", min: bound(1), defDoc: "Temporal's, 2.0", doc: "factor the wait grows by after each retry"},
-		{name: "max_interval", min: seconds(minTimeout), defDoc: "Temporal's, 100 × initial_interval", doc: "cap on the wait between retries; at least initial_interval"},
+		{name: "max_interval", min: seconds(minTimeout), max: seconds(MaxRetryInterval), defDoc: "Temporal's, 100 × initial_interval", doc: "cap on the wait between retries; at least initial_interval"},
 		{name: "non_retryable", enum: StepErrorTypes(), check: nonRetryableProblem, defDoc: "none",
 			doc: "error types (see Error types) that fail the step at once, without retrying; " + joinNames(NonRetryableErrorTypes()) + " always do"},
 	},
@@ -123,7 +123,7 @@ var defaultsObj = &object{
 	typ: reflect.TypeOf(StepDefaults{}),
 	fields: []field{
 		{name: "timeout", min: seconds(minTimeout), def: Duration(DefaultStepTimeout), doc: "start-to-close timeout of one attempt"},
-		{name: "heartbeat", min: seconds(minTimeout), defDoc: "none", doc: "heartbeat timeout; must be shorter than the timeout"},
+		{name: "heartbeat", min: seconds(MinHeartbeat), defDoc: "none", doc: "heartbeat timeout; must be shorter than the timeout"},
 		{name: "retry", defDoc: fmt.Sprintf("max_attempts %d, Temporal's intervals", DefaultMaxAttempts), doc: "retry policy"},
 		{name: "task_queue", defDoc: "the pipeline workflow's task queue", doc: "Temporal task queue the step's activity is scheduled on"},
 	},
@@ -162,7 +162,7 @@ var loopObj = &object{
 		{name: "iterations", min: bound(1), max: bound(maxInt32), def: int64(1), defDoc: "without until", doc: "fixed number of iterations"},
 		{name: "until", kind: kindCondition, doc: "condition checked after each iteration; true stops the loop. May reference any step"},
 		{name: "max_iterations", min: bound(1), max: bound(maxInt32), doc: "bound on the iterations of an until loop (required with until)"},
-		{name: "continue_as_new_every", min: bound(1), max: bound(maxInt32), def: int64(DefaultContinueAsNewEvery), doc: "iterations per workflow run before it continues as new"},
+		{name: "continue_as_new_every", min: bound(1), max: bound(MaxContinueAsNewEvery), def: int64(DefaultContinueAsNewEvery), doc: "iterations per workflow run before it continues as new; each run's history holds a copy of the pipeline per iteration, so a large pipeline may need fewer"},
 	},
 }
 
@@ -192,7 +192,7 @@ var stepObj = &object{
 		{name: "outputs", pattern: identRe, doc: "output keys the step produces, for step types with declared outputs"},
 		{name: "retry", defDoc: "defaults.retry", doc: "retry policy"},
 		{name: "timeout", min: seconds(minTimeout), defDoc: "defaults.timeout", doc: "start-to-close timeout of one attempt"},
-		{name: "heartbeat", min: seconds(minTimeout), defDoc: "defaults.heartbeat", doc: "heartbeat timeout"},
+		{name: "heartbeat", min: seconds(MinHeartbeat), defDoc: "defaults.heartbeat", doc: "heartbeat timeout"},
 		{name: "task_queue", defDoc: "defaults.task_queue", doc: "task queue"},
 	},
 }

@@ -8,8 +8,11 @@
 // ResolveArgs and ParseScorer, the activities all read them.
 //
 // Invariants: a *Pipeline returned by Load has passed every static check
-// (schema, per-type arguments, DAG, expression references), so the workflow
-// interpreter can trust step ids, needs and expression syntax. A Pipeline is
+// (schema, per-type arguments, DAG, expression references and constant
+// arithmetic) and fits Temporal's limits (MaxSpecBytes, MaxRunSpecBytes,
+// int32 counts, durations Temporal can multiply), so the workflow
+// interpreter can trust step ids, needs and expression syntax. Expressions
+// never yield NaN or an infinity: arithmetic is checked (arith.go). A Pipeline is
 // plain data that round-trips through JSON unchanged: it is the workflow input
 // frozen in Temporal history, so it must never hold weights, rollouts or
 // secrets (secrets are named by environment variable, never stored).
@@ -18,8 +21,13 @@ package pipelines
 import (
 	"encoding/json"
 	"fmt"
+	"math"
+	"regexp"
+	"strings"
 	"time"
 )
+
+var durationSyntaxRe = regexp.MustCompile(durationRe)
 
 // SchemaVersion is the only pipeline format version this build understands.
 const SchemaVersion = 1
@@ -116,7 +124,9 @@ type StepDefaults struct {
 }
 
 // RetryPolicy mirrors Temporal's retry policy. MaxAttempts 0 means unlimited
-// (Temporal's meaning); 1 means no retry.
+// (Temporal's meaning); 1 means no retry. Load fills in a max_attempts the
+// file leaves out (defaults.retry's, else DefaultMaxAttempts), so a 0 in a
+// loaded spec was written. The intervals are at most MaxRetryInterval.
 type RetryPolicy struct {
 	MaxAttempts     int      `json:"max_attempts,omitempty" yaml:"max_attempts,omitempty"`
 	InitialInterval Duration `json:"initial_interval,omitempty" yaml:"initial_interval,omitempty"`
@@ -184,6 +194,10 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 func ParseDuration(s string) (Duration, error) {
 	v, err := time.ParseDuration(s)
 	if err != nil {
+		if durationSyntaxRe.MatchString(strings.TrimLeft(s, "+-")) {
+			// Well formed, so it failed on int64 nanoseconds.
+			return 0, fmt.Errorf("duration %q is too long: the longest is %s", s, time.Duration(math.MaxInt64))
+		}
 		return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 1h30m)", s)
 	}
 	if v < 0 {

@@ -28,7 +28,7 @@ func (l *loader) check(path string) {
 		l.checkServer(s, indexPath("servers", i))
 	}
 	l.checkLoop()
-	l.checkRetry(p.Defaults.Retry, "defaults.retry")
+	l.checkRetry(p.Defaults.Retry, "defaults.retry", DefaultMaxAttempts)
 	l.checkTimeouts(p.Defaults.Timeout, p.Defaults.Heartbeat, "defaults")
 	if len(p.Steps) > MaxSteps {
 		l.errPath("steps", "too many steps: %d, the limit is %d", len(p.Steps), MaxSteps)
@@ -149,9 +149,15 @@ func (l *loader) checkLoop() {
 	}
 }
 
-func (l *loader) checkRetry(r *RetryPolicy, path string) {
+// checkRetry checks a retry policy and fills in a max_attempts it leaves
+// out with inherited: leaving the key out must not turn a step's retries
+// unlimited, which an explicit 0 asks for (Temporal's meaning of 0).
+func (l *loader) checkRetry(r *RetryPolicy, path string, inherited int) {
 	if r == nil {
 		return
+	}
+	if _, set := l.pos[path+".max_attempts"]; !set {
+		r.MaxAttempts = inherited
 	}
 	if r.InitialInterval > 0 && r.MaxInterval > 0 && r.MaxInterval < r.InitialInterval {
 		l.errPath(path+".max_interval", "max_interval %s is shorter than initial_interval %s", r.MaxInterval, r.InitialInterval)
@@ -224,7 +230,11 @@ func (l *loader) checkSteps() {
 		if t != nil {
 			l.checkWith(s, t, path)
 		}
-		l.checkRetry(s.Retry, path+".retry")
+		inherited := DefaultMaxAttempts
+		if p.Defaults.Retry != nil {
+			inherited = p.Defaults.Retry.MaxAttempts
+		}
+		l.checkRetry(s.Retry, path+".retry", inherited)
 		timeout, heartbeat := s.Timeout, s.Heartbeat
 		if timeout == 0 {
 			timeout = p.Defaults.Timeout
@@ -407,11 +417,36 @@ func (l *loader) checkArg(a ArgSpec, v any, path string) (any, bool) {
 	if !ok {
 		return nil, false
 	}
+	if a.Kind == KindObject && !l.exactInts(v, path) {
+		return nil, false
+	}
 	if err := a.Check(v); err != nil {
 		l.errPath(path, "%v", err)
 		return nil, false
 	}
 	return v, true
+}
+
+// exactInts reports the integers inside a free-form value that the
+// workflow would not read back exactly, and whether there were none.
+func (l *loader) exactInts(v any, path string) bool {
+	good := true
+	switch x := v.(type) {
+	case int64:
+		if err := checkExactInt(x); err != nil {
+			l.errPath(path, "%v; quote it to pass it as a string", err)
+			return false
+		}
+	case []any:
+		for i, e := range x {
+			good = l.exactInts(e, indexPath(path, i)) && good
+		}
+	case map[string]any:
+		for _, k := range sortedKeys(x) {
+			good = l.exactInts(x[k], joinPath(path, k)) && good
+		}
+	}
+	return good
 }
 
 // argKind checks one argument's kind, reporting a wrong one at the value

@@ -1,8 +1,9 @@
 package main
 
 import (
+	"context"
 	"fmt"
-	"os"
+	"io"
 	"strings"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -15,24 +16,45 @@ func newValidateCmd() *cobra.Command {
 		Use:   "validate FILE...",
 		Short: "Check pipeline files; print every error as file:line:col: field: message",
 		Long: `Validate loads each pipeline file and runs every static check (schema, step
-arguments, DAG, expression references). Errors go to stderr, one per line,
-sorted; nothing is printed on stdout. The exit status is 1 if any file has an
-error.`,
+arguments, DAG, expression references, size). Errors go to stderr, one per
+line, sorted; nothing is printed on stdout. The exit status is 1 if any file
+has an error, 130 if SIGINT or SIGTERM stopped it. Only regular files are
+read: a FIFO, device or directory is an error, not a wait.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			bad := 0
-			for _, f := range args {
-				if _, err := pipelines.LoadFile(f); err != nil {
-					bad++
-					fmt.Fprintln(os.Stderr, strings.TrimRight(err.Error(), "\n"))
-				}
-			}
-			if bad > 0 {
-				return &exitError{code: 1, err: fmt.Errorf("%d of %d file(s) invalid", bad, len(args))}
-			}
-			return nil
+			return validateFiles(cmd.Context(), args, cmd.ErrOrStderr(), loadPipelineFile)
 		},
 	}
+}
+
+func loadPipelineFile(path string) error {
+	_, err := pipelines.LoadFile(path)
+	return err
+}
+
+// validateFiles loads each file with load, printing each one's errors to
+// w. It returns as soon as ctx ends (main cancels it on SIGINT and
+// SIGTERM) even while a load is stuck, in a read from a hung network
+// mount say: that load's goroutine is left to the process's exit.
+func validateFiles(ctx context.Context, files []string, w io.Writer, load func(string) error) error {
+	bad := 0
+	for _, f := range files {
+		done := make(chan error, 1)
+		go func() { done <- load(f) }()
+		select {
+		case <-ctx.Done():
+			return &exitError{code: 130, err: fmt.Errorf("validate interrupted while reading %s", f)}
+		case err := <-done:
+			if err != nil {
+				bad++
+				fmt.Fprintln(w, strings.TrimRight(err.Error(), "\n"))
+			}
+		}
+	}
+	if bad > 0 {
+		return &exitError{code: 1, err: fmt.Errorf("%d of %d file(s) invalid", bad, len(files))}
+	}
+	return nil
 }
 
 func newGraphCmd() *cobra.Command {
