@@ -38,6 +38,9 @@ func RunIteration(ctx workflow.Context, in IterationInput) (*IterationResult, er
 	if in.Spec == nil {
 		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", pipelines.ErrTypeBadInput, nil)
 	}
+	// The params arrive through JSON, an int as a float64: expressions
+	// must see each in its declared type (`x % params.n` takes an int).
+	in.Params = in.Spec.TypedParams(in.Params)
 	servers, err := in.Spec.ServersFor(in.Params)
 	if err != nil {
 		return nil, temporal.NewNonRetryableApplicationError(err.Error(), pipelines.ErrTypeBadInput, nil)
