@@ -29,6 +29,10 @@ type Options struct {
 	Deps      activities.Deps
 	// MaxConcurrentActivities bounds steps run at once on this worker (0 = SDK default).
 	MaxConcurrentActivities int
+	// OnFatalError is called when the SDK worker stops for good (its
+	// namespace was deleted, its credentials refused): it no longer polls,
+	// so the process should exit rather than look alive.
+	OnFatalError func(error)
 }
 
 // RegisterWorkflows registers the interpreter's workflows.
@@ -86,6 +90,7 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		// dispatched at once instead of two at a time (see bench/).
 		MaxConcurrentActivityTaskPollers: 32,
 		MaxConcurrentWorkflowTaskPollers: 4,
+		OnFatalError:                     opts.OnFatalError,
 	})
 	acts := activities.New(opts.Deps)
 	if err := sweepAttempts(acts); err != nil {

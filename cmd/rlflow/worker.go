@@ -67,8 +67,15 @@ the worker's log.`,
 				return err
 			}
 			defer c.Close()
+			fatal := make(chan error, 1)
 			w, err := worker.NewControl(c, worker.Options{
 				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data}, MaxConcurrentActivities: maxActivities,
+				OnFatalError: func(err error) {
+					select {
+					case fatal <- err:
+					default:
+					}
+				},
 			})
 			if err != nil {
 				return err
@@ -78,7 +85,14 @@ the worker's log.`,
 			}
 			log.Info("rlflow worker running",
 				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "data_dir", data, "pid", os.Getpid())
-			<-ctx.Done()
+			select {
+			case <-ctx.Done():
+			case err := <-fatal:
+				// The SDK stopped polling for good: exit, so a supervisor
+				// restarts the worker instead of it looking alive.
+				w.Stop()
+				return fmt.Errorf("worker stopped: %w", err)
+			}
 			w.Stop()
 			return nil
 		},
