@@ -128,6 +128,24 @@ type Stats struct {
 	// PeakRunning is the most sequences served at the same time (holding
 	// one of MaxConcurrent slots) since the server started.
 	PeakRunning int
+	// Delivered counts the seeded samples (sequences with a final finish
+	// reason, not "abort") whose whole response was written and flushed to
+	// the client's connection; Rerequested counts the seeded sequences
+	// asked for again after such a delivery: a client that lost a sample
+	// it had been sent. A sample is keyed by everything that fixes its text
+	// on given weights (sampleKey): the route, the prompt text (chat: the
+	// rendered conversation), the seed, the sequence's index in its request
+	// and the sampling parameters. Unseeded sequences are a fresh draw each
+	// time and are keyed by nothing: use seeds to count. At most
+	// maxTrackedPrompts samples are remembered; deliveries beyond are
+	// counted in SamplesUntracked.
+	Delivered        int
+	Rerequested      int
+	SamplesUntracked int
+	// Unsent is the sequences finished (done or aborted) whose response is
+	// not yet written. After a pause with mode keep returned it only falls:
+	// at 0 every answer the server will give before resume is out.
+	Unsent int
 }
 
 const maxTrackedPrompts = 1 << 20
@@ -145,8 +163,12 @@ type Server struct {
 	randMu sync.Mutex
 	rand   *rand.Rand // faults and unseeded sampling
 
-	statsMu sync.Mutex
-	stats   Stats
+	statsMu   sync.Mutex
+	stats     Stats
+	delivered map[string]struct{} // sampleKey of every delivered seeded sample
+
+	// started plays the process start time: every New is a new process.
+	started time.Time
 
 	ids atomic.Uint64 // response ids
 
@@ -162,8 +184,9 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65))}
+	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65)), started: time.Now()}
 	s.stats = Stats{Requests: map[string]int{}, Prompts: map[string]int{}, Faults: map[string]int{}}
+	s.delivered = map[string]struct{}{}
 	if cfg.ModelPath == "" {
 		dir, err := os.MkdirTemp("", "vllm-double-*")
 		if err != nil {
@@ -290,14 +313,18 @@ func (s *Server) ListenAndServe(ctx context.Context, addr string) error {
 	return s.Serve(ctx, ln)
 }
 
-// Serve serves on ln until ctx is done; it closes ln.
-func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
-	srv := &http.Server{
+func (s *Server) httpServer() *http.Server {
+	return &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
 	}
+}
+
+// Serve serves on ln until ctx is done; it closes ln.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	srv := s.httpServer()
 	done := make(chan struct{})
 	go func() {
 		select {
@@ -318,6 +345,47 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	return fmt.Errorf("double: serve: %w", err)
 }
+
+// Running is a Server serving in the background (Start) until Kill.
+type Running struct {
+	addr string
+	srv  *http.Server
+	done chan struct{}
+}
+
+// Start serves s on addr ("127.0.0.1:0": a free port) in the background.
+// Kill, Close, then New and Start on the same Addr play a restart of
+// vLLM: a new process on the same address, with the weights it starts
+// with (version reset) and a new process start time on /metrics.
+func (s *Server) Start(addr string) (*Running, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("double: listen on %s: %w", addr, err)
+	}
+	r := &Running{addr: ln.Addr().String(), srv: s.httpServer(), done: make(chan struct{})}
+	go func() {
+		_ = r.srv.Serve(ln)
+		close(r.done)
+	}()
+	return r, nil
+}
+
+// Addr is the host:port the server listens on.
+func (r *Running) Addr() string { return r.addr }
+
+// URL is the server's base URL.
+func (r *Running) URL() string { return "http://" + r.addr }
+
+// Kill stops serving at once, as a killed process stops: the listener and
+// every connection close, and requests in flight get no answer. It
+// returns when the address is free again.
+func (r *Running) Kill() {
+	r.srv.Close()
+	<-r.done
+}
+
+// StartTime is when New made the server: its process start time.
+func (s *Server) StartTime() time.Time { return s.started }
 
 // Close releases what the server holds: the TCPStore connections of the
 // last NCCL init and the temporary random model. Serving after Close still
@@ -343,6 +411,7 @@ func (s *Server) Stats() Stats {
 	out.Prompts = copyMap(s.stats.Prompts)
 	out.Faults = copyMap(s.stats.Faults)
 	out.PeakRunning = s.sched.peakRunning()
+	out.Unsent = s.sched.unsentCount()
 	return out
 }
 

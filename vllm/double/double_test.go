@@ -90,7 +90,7 @@ func TestConfigValidation(t *testing.T) {
 }
 
 func TestRoutesPerGeneration(t *testing.T) {
-	common := []string{"GET /health", "GET /v1/models", "GET /version", "POST /v1/chat/completions", "POST /v1/completions"}
+	common := []string{"GET /health", "GET /metrics", "GET /v1/models", "GET /version", "POST /v1/chat/completions", "POST /v1/completions"}
 	dev := []string{"GET /get_world_size", "GET /is_paused", "POST /init_weight_transfer_engine", "POST /pause", "POST /resume", "POST /update_weights"}
 	sessions := []string{"GET /weight_info", "POST /abort_requests", "POST /finish_weight_update", "POST /start_weight_update", "POST /update_weight_version", "POST /weight_checker"}
 	cases := []struct {
@@ -505,10 +505,14 @@ func TestPauseAbort(t *testing.T) {
 	c, ok := <-queued
 	require.True(t, ok)
 	assert.Equal(t, full, c.Choices[0], "after resume the queued request runs to the end")
+	// The client may read the answer before the double counts it sent.
+	testutil.Eventually(t, 5*time.Second, "every answer counted", func() bool { return s.Stats().Unsent == 0 })
 	st := s.Stats()
 	assert.Equal(t, 1, st.Aborted)
 	assert.Equal(t, 2, st.Completions)
 	assert.Equal(t, 3, st.Prompts["a"])
+	assert.Equal(t, 2, st.Delivered, "an aborted answer is no delivered sample")
+	assert.Equal(t, 2, st.Rerequested, "the one seeded sample, asked for twice after its delivery")
 }
 
 func TestPauseWait(t *testing.T) {
@@ -728,4 +732,112 @@ func TestNoInputPanics(t *testing.T) {
 		}
 		s.Close()
 	}
+}
+
+// Delivered and Rerequested key a sample by route, prompt, seed, sequence
+// index and sampling parameters: what fixes its text on given weights.
+func TestRerequestedSamples(t *testing.T) {
+	s := start(t, double.Config{})
+	body := func(prompt string, seed int, n int, temp float64) string {
+		return `{"model":"bigram-double","prompt":` + jsonString(prompt) + `,"max_tokens":3,"n":` + strconv.Itoa(n) +
+			`,"temperature":` + strconv.FormatFloat(temp, 'g', -1, 64) + `,"seed":` + strconv.Itoa(seed) + `}`
+	}
+	chat := `{"model":"bigram-double","messages":[{"role":"user","content":"a"}],"max_tokens":3,"seed":1}`
+	steps := []struct {
+		name                   string
+		path, body             string
+		delivered, rerequested int
+	}{
+		{"first", "/v1/completions", body("a", 1, 1, 1), 1, 0},
+		{"another seed", "/v1/completions", body("a", 2, 1, 1), 2, 0},
+		{"another prompt", "/v1/completions", body("b", 1, 1, 1), 3, 0},
+		{"another temperature", "/v1/completions", body("a", 1, 1, 0.5), 4, 0},
+		{"chat: another route", "/v1/chat/completions", chat, 5, 0},
+		{"the first again", "/v1/completions", body("a", 1, 1, 1), 6, 1},
+		{"n=2: its sequence 0 is the first", "/v1/completions", body("a", 1, 2, 1), 8, 2},
+		{"unseeded: not keyed", "/v1/completions", `{"model":"bigram-double","prompt":"a","max_tokens":3}`, 8, 2},
+		{"chat again", "/v1/chat/completions", chat, 9, 3},
+	}
+	for _, st := range steps {
+		s.ok("POST", st.path, st.body)
+		testutil.Eventually(t, 5*time.Second, "the answer counted", func() bool { return s.Stats().Unsent == 0 })
+		got := s.Stats()
+		assert.Equal(t, st.delivered, got.Delivered, st.name)
+		assert.Equal(t, st.rerequested, got.Rerequested, st.name)
+	}
+}
+
+// After a pause with mode keep, Unsent falls to 0 and no sequence
+// finishes until resume: a test can wait for every answer to be out.
+func TestUnsentAfterKeepPause(t *testing.T) {
+	s := start(t, double.Config{DevMode: true, Latency: 30 * time.Millisecond, MaxConcurrent: 2})
+	var chans []<-chan completion
+	for range 10 {
+		chans = append(chans, s.asyncComplete(slowReq))
+	}
+	testutil.Eventually(t, 5*time.Second, "two answers", func() bool { return s.Stats().Completions >= 2 })
+	s.ok("POST", "/pause?mode=keep", "")
+	testutil.Eventually(t, 5*time.Second, "every finished sequence answered", func() bool { return s.Stats().Unsent == 0 })
+	held := s.Stats().Completions
+	require.Less(t, held, 10)
+	time.Sleep(100 * time.Millisecond) // three latencies: a sequence that could finish would
+	assert.Equal(t, held, s.Stats().Completions, "a sequence finished while paused")
+	assert.Zero(t, s.Stats().Unsent)
+	s.ok("POST", "/resume", "")
+	for _, ch := range chans {
+		_, ok := <-ch
+		assert.True(t, ok)
+	}
+	assert.Equal(t, 10, s.Stats().Completions)
+	testutil.Eventually(t, 5*time.Second, "every answer counted", func() bool { return s.Stats().Unsent == 0 })
+}
+
+// /metrics carries the process start time; Kill, Close, New and Start on
+// the same address play a restart: a new start time, the weights and
+// version the server starts with.
+func TestMetricsAndRestart(t *testing.T) {
+	cfg := double.Config{DevMode: true, Seed: 5}
+	d, err := double.New(cfg)
+	require.NoError(t, err)
+	run, err := d.Start("127.0.0.1:0")
+	require.NoError(t, err)
+	get := func(path string) (int, string) {
+		resp, err := http.Get(run.URL() + path)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(b)
+	}
+	status, body := get("/metrics")
+	require.Equal(t, http.StatusOK, status)
+	want := "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n" +
+		"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds " +
+		strconv.FormatFloat(float64(d.StartTime().UnixNano())/1e9, 'e', -1, 64) + "\n"
+	assert.Equal(t, want, body)
+	req, err := http.NewRequest(http.MethodPost, run.URL()+"/update_weight_version", strings.NewReader(`{"new_version":"v9"}`))
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	_, info := get("/weight_info")
+	assert.JSONEq(t, `{"weight_version":"v9"}`, info)
+
+	run.Kill()
+	require.NoError(t, d.Close())
+	_, err = http.Get(run.URL() + "/health")
+	require.Error(t, err, "killed: nothing listens")
+	d2, err := double.New(cfg)
+	require.NoError(t, err)
+	defer d2.Close()
+	run2, err := d2.Start(run.Addr())
+	require.NoError(t, err)
+	defer run2.Kill()
+	assert.Equal(t, run.URL(), run2.URL())
+	_, info = get("/weight_info")
+	assert.JSONEq(t, `{"weight_version":null}`, info, "a restart serves the weights it starts with")
+	_, body = get("/metrics")
+	assert.NotEqual(t, want, body)
+	assert.True(t, d2.StartTime().After(d.StartTime()))
+	assert.Equal(t, d.Model().Checksum(), d2.Model().Checksum(), "the same base weights")
 }

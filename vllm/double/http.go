@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -30,6 +31,7 @@ func (s *Server) buildRoutes() map[string]*route {
 		"/v1/models":           {http.MethodGet, s.models},
 		"/v1/completions":      {http.MethodPost, s.completions},
 		"/v1/chat/completions": {http.MethodPost, s.chat},
+		"/metrics":             {http.MethodGet, s.metrics},
 	}
 	if !s.cfg.DevMode {
 		return rt
@@ -136,15 +138,20 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-func writeJSON(w http.ResponseWriter, status int, v any) {
+// writeJSON answers with v; the error is the write's (the client's
+// connection failed). The length is set, so a flush after it puts the
+// whole response on the wire.
+func writeJSON(w http.ResponseWriter, status int, v any) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		status = http.StatusInternalServerError
 		b = []byte(`{"error":{"message":"double: encode response","type":"InternalServerError","param":null,"code":500}}`)
 	}
 	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(status)
-	w.Write(b)
+	_, err = w.Write(b)
+	return err
 }
 
 // errorResponse writes vLLM's OpenAI-style ErrorResponse, the shape its

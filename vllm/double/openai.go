@@ -255,10 +255,20 @@ func detokenize(ids []int) (string, error) {
 	return string(b), nil
 }
 
+// reply is a generation route's answer: the body, its sequences, and the
+// keys of the seeded samples it delivers once written (sampleKeys; "" for
+// an aborted sequence).
+type reply struct {
+	body      any
+	sequences int
+	samples   []string
+}
+
 // serveJSON answers an OpenAI API request: the API key, the body decoded
-// strictly into a B, then answer's result; a client that went away gets
-// nothing.
-func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer func(context.Context, *B) (any, error)) {
+// strictly into a B, then answer's reply; a client that went away gets
+// nothing. The reply's samples count as delivered once the whole response
+// is flushed to the connection.
+func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer func(context.Context, *B) (*reply, error)) {
 	if !s.authorized(w, r) {
 		return
 	}
@@ -267,19 +277,67 @@ func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer 
 		fail(w, err)
 		return
 	}
-	resp, err := answer(r.Context(), &body)
+	rep, err := answer(r.Context(), &body)
 	if err != nil {
 		if r.Context().Err() == nil {
 			fail(w, err)
 		}
 		return
 	}
-	writeJSON(w, http.StatusOK, resp)
+	defer s.sched.sent(rep.sequences)
+	if writeJSON(w, http.StatusOK, rep.body) != nil || http.NewResponseController(w).Flush() != nil {
+		return
+	}
+	s.count(func(st *Stats) {
+		for _, k := range rep.samples {
+			if k == "" {
+				continue
+			}
+			if _, ok := s.delivered[k]; ok || len(s.delivered) < maxTrackedPrompts {
+				s.delivered[k] = struct{}{}
+				st.Delivered++
+			} else {
+				st.SamplesUntracked++
+			}
+		}
+	})
+}
+
+// sampleKeys keys every sequence of a request (prompt i's sample j is
+// sequence i*n+j, as generate draws them): route, seed, sequence index,
+// sampling parameters and prompt text fix a sample's text on given
+// weights. Unseeded requests get no keys.
+func sampleKeys(route string, ps []string, sp sampling) []string {
+	if sp.seed == nil {
+		return nil
+	}
+	params := fmt.Sprintf("%d|%g|%g|%q|%t|%d", sp.maxTokens, sp.temperature, sp.topP, sp.stop, sp.logprobs, sp.topLogprobs)
+	keys := make([]string, 0, len(ps)*sp.n)
+	for i, p := range ps {
+		for j := range sp.n {
+			keys = append(keys, fmt.Sprintf("%s\x00%d\x00%d\x00%s\x00%s", route, *sp.seed, i*sp.n+j, params, p))
+		}
+	}
+	return keys
+}
+
+// deliveredKeys keeps the keys of the samples that finished (not aborted).
+func deliveredKeys(keys []string, samples []bigram.Sample) []string {
+	if keys == nil {
+		return nil
+	}
+	out := make([]string, len(samples))
+	for i, smp := range samples {
+		if smp.FinishReason != "abort" {
+			out[i] = keys[i]
+		}
+	}
+	return out
 }
 
 func (s *Server) completions(w http.ResponseWriter, r *http.Request) { serveJSON(s, w, r, s.complete) }
 
-func (s *Server) complete(ctx context.Context, b *completionBody) (any, error) {
+func (s *Server) complete(ctx context.Context, b *completionBody) (*reply, error) {
 	if err := s.checkModel(b.Model); err != nil {
 		return nil, err
 	}
@@ -318,7 +376,8 @@ func (s *Server) complete(ctx context.Context, b *completionBody) (any, error) {
 		}
 		promptTokens += len(p)
 	}
-	s.seen(ps)
+	keys := sampleKeys("/v1/completions", ps, sp)
+	s.seen(ps, keys)
 	samples, err := s.generate(ctx, ps, sp)
 	if err != nil {
 		return nil, err
@@ -333,11 +392,11 @@ func (s *Server) complete(ctx context.Context, b *completionBody) (any, error) {
 		}
 		choices[i] = map[string]any{"index": i, "text": smp.Text, "logprobs": lp, "finish_reason": smp.FinishReason, "stop_reason": nil}
 	}
-	return map[string]any{
+	return &reply{body: map[string]any{
 		"id": fmt.Sprintf("cmpl-%016x", s.ids.Add(1)), "object": "text_completion", "created": time.Now().Unix(),
 		"model": s.cfg.ModelName, "choices": choices,
 		"usage": map[string]int{"prompt_tokens": promptTokens, "completion_tokens": completionTokens, "total_tokens": promptTokens + completionTokens},
-	}, nil
+	}, sequences: len(samples), samples: deliveredKeys(keys, samples)}, nil
 }
 
 func (s *Server) checkLength(promptTokens, maxTokens int) error {
@@ -348,13 +407,20 @@ func (s *Server) checkLength(promptTokens, maxTokens int) error {
 	return nil
 }
 
-func (s *Server) seen(ps []string) {
+// seen counts a request's prompts, and its samples that were delivered
+// before (keys: sampleKeys).
+func (s *Server) seen(ps []string, keys []string) {
 	s.count(func(st *Stats) {
 		for _, p := range ps {
 			if _, ok := st.Prompts[p]; ok || len(st.Prompts) < maxTrackedPrompts {
 				st.Prompts[p]++
 			} else {
 				st.PromptsUntracked++
+			}
+		}
+		for _, k := range keys {
+			if _, ok := s.delivered[k]; ok {
+				st.Rerequested++
 			}
 		}
 	})
@@ -379,7 +445,7 @@ func completionLogprobs(lps []bigram.TokenLogprob) map[string]any {
 
 func (s *Server) chat(w http.ResponseWriter, r *http.Request) { serveJSON(s, w, r, s.chatComplete) }
 
-func (s *Server) chatComplete(ctx context.Context, b *chatBody) (any, error) {
+func (s *Server) chatComplete(ctx context.Context, b *chatBody) (*reply, error) {
 	if err := s.checkModel(b.Model); err != nil {
 		return nil, err
 	}
@@ -405,7 +471,8 @@ func (s *Server) chatComplete(ctx context.Context, b *chatBody) (any, error) {
 	if err := s.checkLength(len(prompt), sp.maxTokens); err != nil {
 		return nil, err
 	}
-	s.seen([]string{prompt})
+	keys := sampleKeys("/v1/chat/completions", []string{prompt}, sp)
+	s.seen([]string{prompt}, keys)
 	samples, err := s.generate(ctx, []string{prompt}, sp)
 	if err != nil {
 		return nil, err
@@ -421,11 +488,11 @@ func (s *Server) chatComplete(ctx context.Context, b *chatBody) (any, error) {
 		choices[i] = map[string]any{"index": i, "message": map[string]any{"role": "assistant", "content": smp.Text},
 			"logprobs": lp, "finish_reason": smp.FinishReason, "stop_reason": nil}
 	}
-	return map[string]any{
+	return &reply{body: map[string]any{
 		"id": fmt.Sprintf("chatcmpl-%016x", s.ids.Add(1)), "object": "chat.completion", "created": time.Now().Unix(),
 		"model": s.cfg.ModelName, "choices": choices,
 		"usage": map[string]int{"prompt_tokens": len(prompt), "completion_tokens": completionTokens, "total_tokens": len(prompt) + completionTokens},
-	}, nil
+	}, sequences: len(samples), samples: deliveredKeys(keys, samples)}, nil
 }
 
 // chatPrompt is the double's chat template: every message's content on its
@@ -523,6 +590,13 @@ func (s *Server) generate(ctx context.Context, ps []string, sp sampling) ([]bigr
 	wg.Wait()
 	for _, err := range errs {
 		if err != nil {
+			finished := 0
+			for _, e := range errs {
+				if e == nil {
+					finished++
+				}
+			}
+			s.sched.sent(finished) // no answer goes out
 			return nil, err
 		}
 	}

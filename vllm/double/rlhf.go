@@ -30,6 +30,16 @@ const (
 
 func (s *Server) health(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }
 
+// metrics serves the Prometheus text format with the one metric rlflow
+// reads, process_start_time_seconds, written as prometheus_client's
+// process collector writes it; each Server is a new process (StartTime).
+func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
+	start := float64(s.started.UnixNano()) / 1e9
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	fmt.Fprintf(w, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"+
+		"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n", strconv.FormatFloat(start, 'e', -1, 64))
+}
+
 func (s *Server) version(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"version": s.cfg.Version})
 }

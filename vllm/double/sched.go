@@ -34,6 +34,10 @@ type scheduler struct {
 	idle     chan struct{} // closed when inflight drops to 0; nil if nobody waits
 	running  int           // sequences holding a slot (all admitted ones when unbounded)
 	peak     int           // the most running at once since the server started
+	// unsent counts the sequences run has finished (done or aborted) whose
+	// response is not yet written (sent): after a pause with mode keep it
+	// only falls, so a test can wait for every answer to be out.
+	unsent int
 }
 
 // peakRunning is the most sequences that held a slot at the same time.
@@ -41,6 +45,20 @@ func (s *scheduler) peakRunning() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.peak
+}
+
+// unsentCount is the sequences finished but not yet answered.
+func (s *scheduler) unsentCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.unsent
+}
+
+// sent marks n finished sequences as answered (or dropped).
+func (s *scheduler) sent(n int) {
+	s.mu.Lock()
+	s.unsent -= n
+	s.mu.Unlock()
 }
 
 // slotTaken and slotLeft count the sequences being served.
@@ -126,6 +144,9 @@ type outcome struct {
 
 // run admits one sequence and serves its latency d; it returns early with
 // aborted set when an abort hits it, or ctx's error when the client left.
+// A sequence it returns (done or aborted) counts as unsent until the
+// caller's sent. One whose latency ends as a keep pause begins is frozen
+// at its end: once pause returned, no sequence finishes until resume.
 func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 	s.mu.Lock()
 	for s.paused {
@@ -175,10 +196,16 @@ func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 		aborted := s.epoch != epoch
 		frozen := s.paused && s.mode == pauseKeep
 		ctl := s.ctl
+		finished := aborted || (!frozen && haveSlot && left <= 0)
+		if finished {
+			s.unsent++ // under the lock pause takes
+		}
 		s.mu.Unlock()
 		switch {
 		case aborted:
 			return outcome{done: served(left), aborted: true}, nil
+		case finished:
+			return outcome{done: 1}, nil
 		case frozen:
 			select {
 			case <-ctl:
@@ -196,14 +223,12 @@ func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 				return outcome{}, ctx.Err()
 			}
 			continue
-		case left <= 0:
-			return outcome{done: 1}, nil
 		}
 		start := time.Now()
 		t := time.NewTimer(left)
 		select {
 		case <-t.C:
-			return outcome{done: 1}, nil
+			left = 0 // finished, unless a pause or abort came first
 		case <-ctl:
 			t.Stop()
 			left -= time.Since(start)
