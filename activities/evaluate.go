@@ -24,6 +24,9 @@ type EvaluateOutput struct {
 	Min           float64 `json:"min"`
 	Max           float64 `json:"max"`
 	WeightVersion string  `json:"weight_version"`
+	// WeightCheck is the signal the servers' weights were checked with, as
+	// GenerateOutput's.
+	WeightCheck string `json:"weight_check"`
 	// Unparsed counts the judge's replies without a usable number (each
 	// scored 0); always 0 for the other scorers.
 	Unparsed int `json:"unparsed"`
@@ -54,7 +57,7 @@ func (a *Activities) Evaluate(ctx context.Context, in EvaluateInput) (*EvaluateO
 		return nil, err
 	}
 	out := &EvaluateOutput{Samples: res.samples, Path: res.path, Min: res.minS, Max: res.maxS,
-		WeightVersion: res.weightVersion, Unparsed: res.unparsed, Resumed: res.resumed, Attempt: attemptOf(ctx)}
+		WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Unparsed: res.unparsed, Resumed: res.resumed, Attempt: attemptOf(ctx)}
 	if res.scored > 0 {
 		out.Score = res.scoreSum / float64(res.scored)
 	}

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,10 +45,13 @@ type GenerateOutput struct {
 	TokensPerS       float64 `json:"tokens_per_s"`
 	// WeightVersion is the servers' weight version while generating, from
 	// GET /weight_info; "" where the API has none; several versions (the
-	// weights changed mid-step, or servers differ) are listed sorted,
-	// comma-separated.
+	// servers differ) are listed sorted, comma-separated.
 	WeightVersion string `json:"weight_version"`
-	// Resumed counts the prompts a retried attempt took from the earlier
+	// WeightCheck is the weakest signal the servers gave to check their
+	// weights with: WeightCheckVersion, WeightCheckStartTime or
+	// WeightCheckNone (see weightcheck.go).
+	WeightCheck string `json:"weight_check"`
+	// Resumed counts the samples a retried attempt took from the earlier
 	// attempts' partial file instead of generating them again.
 	Resumed int `json:"resumed"`
 	Attempt int `json:"_attempt"`
@@ -57,8 +61,8 @@ type GenerateOutput struct {
 // retried attempt reads it to resume from the partial file.
 type GenerateProgress struct {
 	Partial string `json:"partial"`
-	Done    int    `json:"done"` // prompts durably in the partial file
-	Total   int    `json:"total"`
+	Done    int    `json:"done"`  // samples durably confirmed in the partial file
+	Total   int    `json:"total"` // prompts × n
 }
 
 // Rollout is one line of generate's output (and, with Answer and Score, of
@@ -78,8 +82,10 @@ type Rollout struct {
 	// the server's usage counts this sample alone.
 	CompletionTokens int       `json:"completion_tokens"`
 	Logprobs         []Logprob `json:"logprobs,omitempty"`
-	WeightVersion    string    `json:"weight_version,omitempty"`
-	Server           string    `json:"server"`
+	// WeightVersion is the version its server served, checked before and
+	// after the answer; "" where the server reports none.
+	WeightVersion string `json:"weight_version,omitempty"`
+	Server        string `json:"server"`
 
 	Answer   json.RawMessage `json:"answer,omitempty"`
 	Score    *float64        `json:"score,omitempty"`
@@ -124,7 +130,8 @@ func (a *Activities) Generate(ctx context.Context, in GenerateInput) (*GenerateO
 		return nil, err
 	}
 	return &GenerateOutput{Path: res.path, Prompts: res.prompts, Samples: res.samples, CompletionTokens: res.completionTokens,
-		TokensPerS: res.tokensPerS, WeightVersion: res.weightVersion, Resumed: res.resumed, Attempt: attemptOf(ctx)}, nil
+		TokensPerS: res.tokensPerS, WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Resumed: res.resumed,
+		Attempt: attemptOf(ctx)}, nil
 }
 
 // genRun is one attempt of generate or evaluate: the shared generation path.
@@ -140,10 +147,10 @@ type genRun struct {
 	// fingerprint ties a partial file to this step's inputs.
 	fingerprint string
 
-	models   []string                 // per server
-	versions []atomic.Pointer[string] // per server: its weight version
-	next     atomic.Uint64            // round-robin over servers
-	tokens   atomic.Int64             // completion tokens generated this attempt
+	models []string       // per server
+	checks []*serverCheck // per server: its weight check (weightcheck.go)
+	next   atomic.Uint64  // round-robin over servers
+	tokens atomic.Int64   // completion tokens generated this attempt
 }
 
 type genResult struct {
@@ -153,6 +160,7 @@ type genResult struct {
 	completionTokens     int64
 	tokensPerS           float64
 	weightVersion        string
+	weightCheck          string
 	scoreSum, minS, maxS float64
 	scored, unparsed     int
 }
@@ -188,12 +196,13 @@ func (a *Activities) newGenRun(ctx context.Context, step string, in *GenerateInp
 }
 
 // fingerprintOf hashes what makes two attempts' samples interchangeable:
-// the step, the prompts' bytes, the sampling parameters and extra (the
-// scorer), but not concurrency or timeouts.
+// the step (its run, iteration and the weights the run expects), the
+// prompts' bytes, the sampling parameters and extra (the scorer), but not
+// concurrency, timeouts, the servers, or which run after a re-sync this is.
 func (g *genRun) fingerprintOf(extra []byte) string {
 	in := *g.in
 	in.Concurrency, in.RequestTimeout = 0, 0
-	in.Context.Servers, in.Context.WeightTransfer = nil, nil
+	in.Context.Servers, in.Context.WeightTransfer, in.Context.FleetPaused, in.Context.Rerun = nil, nil, false, 0
 	b, _ := json.Marshal(in)
 	h := sha256.New()
 	h.Write(b)
@@ -202,10 +211,11 @@ func (g *genRun) fingerprintOf(extra []byte) string {
 	return hex.EncodeToString(h.Sum(nil))[:32]
 }
 
-// prepare resolves each server's model and weight version.
-func (g *genRun) prepare(ctx context.Context) error {
+// prepare resolves each server's model and sees what it serves: the
+// attempt's first weight check.
+func (g *genRun) prepare(ctx context.Context) ([]serverState, error) {
 	g.models = make([]string, len(g.fleet))
-	g.versions = make([]atomic.Pointer[string], len(g.fleet))
+	states := make([]serverState, len(g.fleet))
 	err := g.fleet.Each("prepare", func(i int, c *vllm.Client) error {
 		g.models[i] = g.in.Model
 		if g.models[i] == "" {
@@ -215,153 +225,168 @@ func (g *genRun) prepare(ctx context.Context) error {
 			}
 			g.models[i] = models[0]
 		}
-		return g.refreshVersion(ctx, i)
+		var err error
+		states[i], err = g.observe(ctx, i, nil)
+		return err
 	})
 	if err != nil {
-		return serverError(ctx, err, "%s: asking the servers for their model and weight version", g.step)
+		return nil, serverError(ctx, err, "%s: asking the servers for their model and weights", g.step)
 	}
-	return nil
+	return states, nil
 }
 
-// refreshVersion reads server i's weight version; a server without the
-// route (404, or an API generation without versions) has none.
-func (g *genRun) refreshVersion(ctx context.Context, i int) error {
-	v, err := g.fleet[i].WeightInfo(ctx)
-	if err != nil && !notAvailable(err) {
-		return err
-	}
-	g.versions[i].Store(&v)
-	return nil
-}
+type request struct{ idx, k int }
 
-func (g *genRun) version(i int) string {
-	if v := g.versions[i].Load(); v != nil {
-		return *v
-	}
-	return ""
-}
-
-// pending collects one prompt's samples until all n are in.
-type pending struct {
-	rows []Rollout
-	left atomic.Int32
-}
-
-type request struct {
-	idx, sample int
-	p           *pending
-}
-
-// run generates every prompt not already in the partial file, then writes
-// the output in prompt order, atomically.
+// run generates every sample not already confirmed in the partial file,
+// then writes the output in prompt order, atomically.
 func (g *genRun) run(ctx context.Context) (*genResult, error) {
-	if err := g.prepare(ctx); err != nil {
+	states, err := g.prepare(ctx)
+	if err != nil {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Dir(g.output), 0o755); err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "%s: creating the output dir", g.step)
 	}
-	pw, resumed, err := g.openPartial(ctx)
+	pw, err := g.openPartial(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer pw.f.Close()
-	total := len(g.set.prompts)
-	// Read before the writer starts: from then on it owns pw.blocks.
-	skip := make([]bool, total)
-	for idx := range skip {
-		skip[idx] = pw.has(idx)
+	if err := g.startChecks(ctx, pw, states); err != nil {
+		return nil, err
+	}
+	// Read before the writer starts: from then on it owns pw.
+	n, total := g.in.N, len(pw.rows)
+	resumed := pw.valid
+	var todo []request
+	for key := range total {
+		if !pw.isValid(key) {
+			todo = append(todo, request{key / n, key % n})
+		}
 	}
 
 	start := time.Now()
 	runCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	writerErr := make(chan error, 1)
-	blocks := make(chan block, g.in.Concurrency)
-	// The writer appends finished prompts and fsyncs them in groups (one
-	// fsync per burst, not per prompt), then records them as durable.
+	recs := make(chan record, g.in.Concurrency)
+	emit := func(r record) { recs <- r }
 	var durable atomic.Int64
 	durable.Store(int64(resumed))
 	go func() {
-		writerErr <- pw.writeAll(blocks, &durable, func(err error) {
+		writerErr <- pw.writeAll(recs, &durable, func(err error) {
 			// Stop generating what cannot be written.
 			cancel(stepError(ctx, pipelines.ErrTypeIO, err, "%s: writing %s", g.step, pw.path))
 		})
 	}()
 	stopHB := g.heartbeat(ctx, pw.path, &durable, total)
+	stopWatch := g.watch(runCtx, emit, cancel)
 
 	reqs := make(chan request)
 	var wg sync.WaitGroup
 	for range g.in.Concurrency {
 		wg.Go(func() {
 			for r := range reqs {
-				row, err := g.sample(runCtx, r.idx, r.sample)
+				// The writer never stops reading, so this send cannot block
+				// for good: an answered sample is written even when the run
+				// is stopping.
+				rec, err := g.sample(runCtx, r.idx, r.k, emit)
+				if rec != nil {
+					recs <- *rec
+				}
 				if err != nil {
 					cancel(err)
-					continue
-				}
-				r.p.rows[r.sample] = row
-				if r.p.left.Add(-1) == 0 {
-					b, err := encodeBlock(r.p.rows)
-					if err != nil {
-						cancel(stepError(ctx, pipelines.ErrTypeIO, err, "%s: encoding prompt %s", g.step, r.p.rows[0].PromptID))
-						continue
-					}
-					select {
-					case blocks <- block{idx: r.idx, data: b}:
-					case <-runCtx.Done():
-					}
 				}
 			}
 		})
 	}
 feed:
-	for idx := range g.set.prompts {
-		if skip[idx] {
-			continue
-		}
-		n := g.in.N
-		p := &pending{rows: make([]Rollout, n)}
-		p.left.Store(int32(n))
-		for k := range n {
-			select {
-			case reqs <- request{idx: idx, sample: k, p: p}:
-			case <-runCtx.Done():
-				break feed
-			}
+	for _, r := range todo {
+		select {
+		case reqs <- r:
+		case <-runCtx.Done():
+			break feed
 		}
 	}
 	close(reqs)
 	wg.Wait()
-	close(blocks)
+	stopWatch()
+	cause := context.Cause(runCtx)
+	var stale map[int]string
+	if ctx.Err() == nil {
+		// The end check: it confirms what the servers answered since their
+		// last check (even when the run failed: those are kept for the
+		// retry) and names every stale server.
+		var cerr error
+		if stale, cerr = g.checkAll(ctx, emit); cerr != nil && cause == nil {
+			cause = cerr
+		}
+	}
+	close(recs)
 	werr := <-writerErr
 	stopHB()
 	g.recordProgress(ctx, pw.path, int(durable.Load()), total)
-	if ctx.Err() != nil {
+	switch {
+	case ctx.Err() != nil:
 		return nil, ctx.Err()
-	}
-	if cause := context.Cause(runCtx); cause != nil && !errors.Is(cause, context.Canceled) {
+	case len(stale) > 0:
+		return nil, g.staleWeightsError(ctx, stale)
+	case cause != nil && !errors.Is(cause, context.Canceled):
 		return nil, cause
-	}
-	if werr != nil {
+	case werr != nil:
 		return nil, stepError(ctx, pipelines.ErrTypeIO, werr, "%s: writing %s", g.step, pw.path)
 	}
 	elapsed := time.Since(start)
-	res, err := pw.assemble(g.output, g.set, g.in.N)
+	res, err := pw.assemble(g.output, g.set)
 	if err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "%s: writing %s", g.step, g.output)
 	}
 	pw.f.Close()
 	_ = os.Remove(pw.path)
 	res.resumed = resumed
+	res.weightCheck = weakestSignal(states)
 	if s := elapsed.Seconds(); s > 0 {
 		res.tokensPerS = float64(g.tokens.Load()) / s
 	}
 	return res, nil
 }
 
-// sample generates sample k of prompt idx on the next server in turn.
-func (g *genRun) sample(ctx context.Context, idx, k int) (Rollout, error) {
+// watch checks every server every heartbeat interval until the returned
+// stop, so that a server that changed weights is found within that time
+// and loses at most that much work; a stale server or a failed check
+// stops the run.
+func (g *genRun) watch(ctx context.Context, emit func(record), stop context.CancelCauseFunc) func() {
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(g.a.heartbeatEvery(ctx))
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			stale, err := g.checkAll(ctx, emit)
+			switch {
+			case err != nil:
+				stop(err)
+			case len(stale) > 0:
+				stop(errStale)
+			}
+		}
+	})
+	return func() { close(quit); wg.Wait() }
+}
+
+// sample generates sample k of prompt idx on the next server in turn and
+// returns its record for the partial file. A request that came back
+// aborted (a pause, likely for a weight update) is sent again; once one is
+// answered, each server that aborted it is checked: a stale one returns
+// errStale along with the record.
+func (g *genRun) sample(ctx context.Context, idx, k int, emit func(record)) (*record, error) {
 	p := &g.set.prompts[idx]
 	backoff := retryBackoff
 	transient := transientRetries
@@ -372,44 +397,56 @@ func (g *genRun) sample(ctx context.Context, idx, k int) (Rollout, error) {
 		s := *g.in.Seed + idx*g.in.N + k
 		seed = &s
 	}
-	aborted := false
+	var aborted []int // servers that aborted this sample
 	for {
 		si := int(g.next.Add(1)-1) % len(g.fleet)
 		c := g.fleet[si]
 		res, err := g.request(ctx, c, g.models[si], p, seed)
 		if err == nil && len(res.Choices) == 1 && res.Choices[0].FinishReason != "abort" {
-			if aborted {
-				// The pause that aborted it was likely a weight update.
-				if verr := g.refreshVersion(ctx, si); verr != nil {
-					return Rollout{}, serverError(ctx, verr, "%s: weight version after a resume", g.step)
-				}
-			}
+			sc := g.checks[si]
+			seq := sc.seq.Add(1) - 1 // answered now: a check from here on covers it
 			g.tokens.Add(int64(res.Usage.CompletionTokens))
 			r := g.rollout(p, k, si, res)
 			if g.score != nil {
 				if err := g.score(ctx, p, &r); err != nil {
-					return Rollout{}, err
+					return nil, err
 				}
 			}
-			return r, nil
+			row, err := encodeRow(&r)
+			if err != nil {
+				return nil, stepError(ctx, pipelines.ErrTypeIO, err, "%s: encoding prompt %s sample %d", g.step, g.set.where(p), k)
+			}
+			rec := rowRec(idx*g.in.N+k, sc.epoch, seq, row)
+			for _, i := range aborted {
+				problem, err := g.check(ctx, i, emit)
+				switch {
+				case err != nil:
+					return &rec, serverError(ctx, err, "%s: checking %s's weights after a pause", g.step, g.fleet[i].URL())
+				case problem != "":
+					return &rec, errStale
+				}
+			}
+			return &rec, nil
 		}
 		switch {
 		case ctx.Err() != nil:
-			return Rollout{}, ctx.Err()
+			return nil, ctx.Err()
 		case err == nil:
 			// Aborted by a pause: not finished. A new request waits on the
 			// paused server until it resumes.
-			aborted = true
+			if !slices.Contains(aborted, si) {
+				aborted = append(aborted, si)
+			}
 		case classify(err) == pipelines.ErrTypeServerError && transient > 0:
 			transient--
 		default:
-			return Rollout{}, serverError(ctx, err, "%s: prompt %s sample %d", g.step, g.set.where(p), k)
+			return nil, serverError(ctx, err, "%s: prompt %s sample %d", g.step, g.set.where(p), k)
 		}
 		t := time.NewTimer(backoff)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return Rollout{}, ctx.Err()
+			return nil, ctx.Err()
 		case <-t.C:
 		}
 		backoff = min(2*backoff, maxRetryBackoff)
@@ -430,7 +467,7 @@ func (g *genRun) rollout(p *prompt, k, si int, res *vllm.Result) Rollout {
 	ch := res.Choices[0]
 	r := Rollout{PromptID: p.id, Sample: k, Text: ch.Text, FinishReason: ch.FinishReason,
 		PromptTokens: res.Usage.PromptTokens, CompletionTokens: res.Usage.CompletionTokens,
-		WeightVersion: g.version(si), Server: g.fleet[si].URL(), Answer: p.answer}
+		WeightVersion: g.checks[si].state.Version, Server: g.fleet[si].URL(), Answer: p.answer}
 	if p.messages != nil {
 		r.Messages = make([]ChatMessage, len(p.messages))
 		for i, m := range p.messages {
@@ -449,16 +486,15 @@ func (g *genRun) rollout(p *prompt, k, si int, res *vllm.Result) Rollout {
 	return r
 }
 
-func encodeBlock(rows []Rollout) ([]byte, error) {
+// encodeRow encodes an output row, without its newline.
+func encodeRow(r *Rollout) ([]byte, error) {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
 	enc.SetEscapeHTML(false)
-	for i := range rows {
-		if err := enc.Encode(&rows[i]); err != nil {
-			return nil, err
-		}
+	if err := enc.Encode(r); err != nil {
+		return nil, err
 	}
-	return b.Bytes(), nil
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n")), nil
 }
 
 // heartbeat records progress every heartbeatEvery until the returned stop.

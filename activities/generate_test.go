@@ -35,6 +35,7 @@ func TestGenerateTwoServers(t *testing.T) {
 	assert.Equal(t, 10, out.Prompts)
 	assert.Equal(t, 30, out.Samples)
 	assert.Equal(t, "v7", out.WeightVersion)
+	assert.Equal(t, WeightCheckVersion, out.WeightCheck)
 	assert.Zero(t, out.Resumed)
 	assert.Positive(t, out.TokensPerS)
 	rows := readRollouts(t, out.Path)
@@ -195,7 +196,9 @@ func TestGenerateAPIKeyFromWorkerEnv(t *testing.T) {
 }
 
 // Servers without weight versions: generation B (no /weight_info) and a
-// server without dev mode (no RLHF routes at all) report none.
+// server without dev mode (no RLHF routes at all) report none; they are
+// checked by their process start time (GET /metrics), and a server that
+// exports none cannot be checked at all.
 func TestGenerateWithoutWeightVersions(t *testing.T) {
 	b := newDouble(t, double.Config{DevMode: true, Generation: double.GenB})
 	plain := newDouble(t, double.Config{})
@@ -204,11 +207,23 @@ func TestGenerateWithoutWeightVersions(t *testing.T) {
 	out, err := newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: writeLines(t, sc.BaseDir, "p.jsonl", promptLines(6)...), MaxTokens: 4})
 	require.NoError(t, err)
 	assert.Equal(t, "", out.WeightVersion)
+	assert.Equal(t, WeightCheckStartTime, out.WeightCheck, "B and the plain server give only their start time")
 	for _, d := range []*testDouble{b, plain, c} {
 		assert.Equal(t, 2, d.Stats().Completions, "round robin over three servers")
+		assert.GreaterOrEqual(t, d.Stats().Requests["GET /metrics"], 2, "checked at the start and the end")
 	}
-	assert.Equal(t, 1, c.Stats().Requests["GET /weight_info"], "C has versions (none yet)")
+	assert.GreaterOrEqual(t, c.Stats().Requests["GET /weight_info"], 2, "C has versions (none yet): checked at the start and the end")
 	assert.Zero(t, b.Stats().Requests["GET /weight_info"], "B has no route: not asked")
+
+	blind := statusServer(t, "/metrics", 404, `{"detail":"Not Found"}`, plain.Handler())
+	sc.Servers = []pipelines.Server{{URL: blind}, {URL: c.URL}}
+	out, err = newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "p.jsonl", MaxTokens: 4})
+	require.NoError(t, err)
+	assert.Equal(t, WeightCheckNone, out.WeightCheck, "a server without versions or /metrics cannot be checked")
+	sc.Servers = servers(c)
+	out, err = newActivities(t).Generate(context.Background(), GenerateInput{Context: sc, Prompts: "p.jsonl", MaxTokens: 4})
+	require.NoError(t, err)
+	assert.Equal(t, WeightCheckVersion, out.WeightCheck)
 }
 
 func TestGenerateOutputNotWritable(t *testing.T) {

@@ -69,9 +69,9 @@ func validateScorer(with map[string]any) map[string]string {
 func init() {
 	RegisterStepType(&StepType{
 		Name:         StepGenerate,
-		Doc:          "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from its last heartbeat and does not redo finished prompts; the output JSONL is written atomically, one line per sample in prompt order: {prompt_id, prompt (plain) or messages (chat) as in the prompts file, sample, text, finish_reason, prompt_tokens, completion_tokens, logprobs (with logprobs > 0: [{token, logprob, top}]), weight_version, server}.",
+		Doc:          "Generates rollouts from every prompt through the servers' OpenAI API, spreading requests over all servers. A retried attempt resumes from the partial file and requests only the samples not yet answered; the output JSONL is written atomically, one line per sample in prompt order: {prompt_id, prompt (plain) or messages (chat) as in the prompts file, sample, text, finish_reason, prompt_tokens, completion_tokens, logprobs (with logprobs > 0: [{token, logprob, top}]), weight_version, server}.",
 		Args:         samplingArgs,
-		Outputs:      []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version", "resumed"},
+		Outputs:      []string{"path", "prompts", "samples", "completion_tokens", "tokens_per_s", "weight_version", "weight_check", "resumed"},
 		NeedsServers: true,
 	})
 	RegisterStepType(&StepType{
@@ -80,7 +80,7 @@ func init() {
 		Args: append(append([]ArgSpec(nil), samplingArgs...),
 			ArgSpec{Name: "scorer", Kind: KindObject, Required: true, Doc: "how each sample is scored: {type: exact_match|contains|regex|numeric|http|judge, ...} with the keys of its type (see Scorers below)"},
 		),
-		Outputs:      []string{"score", "samples", "path", "min", "max", "weight_version", "unparsed", "resumed"},
+		Outputs:      []string{"score", "samples", "path", "min", "max", "weight_version", "weight_check", "unparsed", "resumed"},
 		Validate:     validateScorer,
 		NeedsServers: true,
 	})
