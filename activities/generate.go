@@ -437,7 +437,9 @@ func (g *genRun) sample(ctx context.Context, idx, k int, emit func(record)) (*re
 			if !slices.Contains(aborted, si) {
 				aborted = append(aborted, si)
 			}
-		case classify(err) == pipelines.ErrTypeServerError && transient > 0:
+		case classify(err) == pipelines.ErrTypeServerError && transient > 0 && !errors.Is(err, vllm.ErrStepDeadline):
+			// A request cut short by the step's deadline is not sent
+			// again: the error must reach Temporal before that deadline.
 			transient--
 		default:
 			return nil, serverError(ctx, err, "%s: prompt %s sample %d", g.step, g.set.where(p), k)
