@@ -60,8 +60,10 @@ func once(ctx context.Context, fn func(context.Context) error) error { return fn
 func getStatus(ctx context.Context, c client.Client, workflowID, runID string, call func(context.Context, func(context.Context) error) error) (*RunStatus, error) {
 	var d *workflowservice.DescribeWorkflowExecutionResponse
 	err := call(ctx, func(ctx context.Context) error {
-		var err error
-		d, err = c.DescribeWorkflowExecution(ctx, workflowID, runID)
+		desc, err := c.DescribeWorkflow(ctx, workflowID, runID)
+		if err == nil {
+			d = desc.RawResponse
+		}
 		return err
 	})
 	if err != nil {
