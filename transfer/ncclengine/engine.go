@@ -375,7 +375,7 @@ func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packin
 	g.setPhase("init")
 	g.dropComm(fmt.Errorf("ncclengine: group %s is being re-initialised", g.key))
 	e.retireOverlapping(g)
-	ictx, cancel := context.WithTimeoutCause(ctx, timeout, fmt.Errorf("init did not complete within %v (init_transfer timeout)", timeout))
+	ictx, cancel := withTimeoutCause(ctx, timeout, fmt.Errorf("init did not complete within %v (init_transfer timeout)", timeout))
 	defer cancel()
 
 	topo, err := fleet.WorldSizes(ictx)
@@ -579,4 +579,15 @@ func (e *Engine) ensurePipeline(ctx context.Context, g *group, need int64, numBu
 func deviceLost(err error) bool {
 	var de *nccl.DeviceError
 	return errors.As(err, &de)
+}
+
+// withTimeoutCause ends ctx after d with cause, as context.WithTimeoutCause
+// does, but leaves ctx's deadline the caller's (the activity's): the vLLM
+// client ends a call early to report before its context's deadline
+// (vllm.MaxReportMargin), which is right for the activity's deadline, while
+// an operation's own timeout must let its calls run to it and name it.
+func withTimeoutCause(ctx context.Context, d time.Duration, cause error) (context.Context, context.CancelFunc) {
+	c, cancel := context.WithCancelCause(ctx)
+	t := time.AfterFunc(d, func() { cancel(cause) })
+	return c, func() { t.Stop(); cancel(context.Canceled) }
 }
