@@ -26,6 +26,19 @@ import (
 // by skipping.
 func DevServer(t testing.TB) *devserver.Server {
 	t.Helper()
+	bin := temporalCLI(t)
+	srv, err := devserver.Start(context.Background(), devserver.Options{TemporalPath: bin})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Stop() })
+	return srv
+}
+
+// temporalCLI finds the Temporal CLI; without it the test skips, saying
+// how to get it, except under CI (CI=true), where that is a failure.
+func temporalCLI(t testing.TB) string {
+	t.Helper()
 	bin, err := devserver.FindTemporal("")
 	if err != nil {
 		if os.Getenv("CI") != "" {
@@ -33,12 +46,7 @@ func DevServer(t testing.TB) *devserver.Server {
 		}
 		t.Skipf("needs the Temporal dev server: %v", err)
 	}
-	srv, err := devserver.Start(context.Background(), devserver.Options{TemporalPath: bin})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = srv.Stop() })
-	return srv
+	return bin
 }
 
 // Outage is a dev server that a test can take down and bring back on the
@@ -59,14 +67,7 @@ type Outage struct {
 // restart; it skips (or fails under CI) like DevServer.
 func RestartableDevServer(t testing.TB) *Outage {
 	t.Helper()
-	bin, err := devserver.FindTemporal("")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatalf("CI needs the Temporal CLI: %v", err)
-		}
-		t.Skipf("needs the Temporal dev server: %v", err)
-	}
-	o := &Outage{t: t, bin: bin, db: filepath.Join(t.TempDir(), "temporal.db"),
+	o := &Outage{t: t, bin: temporalCLI(t), db: filepath.Join(t.TempDir(), "temporal.db"),
 		Address: "127.0.0.1:" + strconv.Itoa(FreePort(t))}
 	o.Up()
 	t.Cleanup(func() { o.Down() })
