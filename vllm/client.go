@@ -278,7 +278,8 @@ func (c *Client) errorf(cl call, status int, err error, format string, args ...a
 }
 
 // do runs cl, retrying idempotent calls, and decodes a 2xx JSON body into out
-// (if non-nil). It returns the status of the last response.
+// (if non-nil; a *rawBody takes the body as it is). It returns the status of
+// the last response.
 func (c *Client) do(ctx context.Context, cl call, out any) (int, error) {
 	var body []byte
 	if cl.body != nil {
@@ -325,6 +326,10 @@ func retryable(ctx context.Context, status int, err error) bool {
 
 var errEncode = errors.New("encode")
 
+// rawBody, as a call's out, takes the 2xx body as it came instead of
+// decoding it as JSON (GET /metrics is Prometheus text).
+type rawBody []byte
+
 func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, error) {
 	budget := budgetFor(ctx, cl.timeout, cl.timeoutOf)
 	actx, cancel := context.WithTimeout(ctx, budget.timeout)
@@ -341,7 +346,12 @@ func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, 
 	if err != nil {
 		return 0, c.errorf(cl, 0, errors.Join(errEncode, err), "build request: %v", err)
 	}
-	req.Header.Set("Accept", "application/json")
+	raw, isRaw := out.(*rawBody)
+	if isRaw {
+		req.Header.Set("Accept", "text/plain")
+	} else {
+		req.Header.Set("Accept", "application/json")
+	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
@@ -362,6 +372,10 @@ func (c *Client) once(ctx context.Context, cl call, body []byte, out any) (int, 
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return resp.StatusCode, c.errorf(cl, resp.StatusCode, nil, "%s", errorMessage(resp.StatusCode, data))
+	}
+	if isRaw {
+		*raw = data
+		return resp.StatusCode, nil
 	}
 	if out != nil {
 		if err := json.Unmarshal(data, out); err != nil {

@@ -3,14 +3,10 @@ package vllm
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"net/http"
-	"net/url"
 	"strconv"
-	"time"
 )
 
 // StartTimeMetric is the Prometheus gauge ProcessStartTime reads.
@@ -30,8 +26,8 @@ const StartTimeMetric = "process_start_time_seconds"
 // Timeouts.Control; a server without the route answers 404.
 func (c *Client) ProcessStartTime(ctx context.Context) (seconds float64, ok bool, err error) {
 	cl := call{method: http.MethodGet, path: "/metrics", timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
-	body, err := c.getText(ctx, cl)
-	if err != nil {
+	var body rawBody
+	if _, err := c.do(ctx, cl, &body); err != nil {
 		return 0, false, err
 	}
 	seconds, ok, err = parseStartTime(body)
@@ -70,68 +66,4 @@ func parseStartTime(body []byte) (float64, bool, error) {
 		return v, true, nil
 	}
 	return 0, false, nil
-}
-
-// getText runs the GET cl and returns its 2xx body as it came, retrying
-// as do does. (do decodes JSON; /metrics is text.)
-func (c *Client) getText(ctx context.Context, cl call) ([]byte, error) {
-	backoff := c.retry.Initial
-	for i := 1; ; i++ {
-		status, body, err := c.getTextOnce(ctx, cl)
-		if err == nil || i >= c.retry.Attempts || !retryable(ctx, status, err) {
-			return body, err
-		}
-		t := time.NewTimer(time.Duration(rand.Int64N(int64(backoff)) + 1))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, err
-		case <-t.C:
-		}
-		backoff = min(2*backoff, c.retry.Max)
-	}
-}
-
-func (c *Client) getTextOnce(ctx context.Context, cl call) (int, []byte, error) {
-	actx, cancel := context.WithTimeout(ctx, cl.timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(actx, cl.method, c.base+cl.path, nil)
-	if err != nil {
-		return 0, nil, c.errorf(cl, 0, errors.Join(errEncode, err), "build request: %v", err)
-	}
-	req.Header.Set("Accept", "text/plain")
-	if c.opts.APIKey != "" {
-		req.Header.Set("Authorization", "Bearer "+c.opts.APIKey)
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return 0, nil, c.textTransportError(ctx, actx, cl, err)
-	}
-	defer resp.Body.Close()
-	data, err := readLimited(resp.Body, maxControlResponse)
-	if err != nil {
-		if actx.Err() != nil {
-			return resp.StatusCode, nil, c.textTransportError(ctx, actx, cl, err)
-		}
-		return resp.StatusCode, nil, c.errorf(cl, resp.StatusCode, err, "read response: %v", err)
-	}
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return resp.StatusCode, nil, c.errorf(cl, resp.StatusCode, nil, "%s", errorMessage(resp.StatusCode, data))
-	}
-	return resp.StatusCode, data, nil
-}
-
-// textTransportError names what failed when no (complete) answer came.
-func (c *Client) textTransportError(ctx, actx context.Context, cl call, err error) *Error {
-	switch {
-	case ctx.Err() != nil:
-		return c.errorf(cl, 0, ctx.Err(), "%v", context.Cause(ctx))
-	case errors.Is(actx.Err(), context.DeadlineExceeded):
-		return c.errorf(cl, 0, context.DeadlineExceeded, "no answer within %v (Timeouts.%s)", cl.timeout, cl.timeoutOf)
-	}
-	var ue *url.Error
-	if errors.As(err, &ue) {
-		err = ue.Err // the URL is already in the message as server + call
-	}
-	return c.errorf(cl, 0, err, "%v", err)
 }
