@@ -215,8 +215,9 @@ const (
 // GPUAcquireInput asks a GPU worker for its host-specific task queue.
 type GPUAcquireInput struct {
 	RunID string `json:"run_id"`
-	// Lost is the host queue that stopped answering, when this acquire
-	// replaces a lost worker (informational: the dead worker cannot answer).
+	// Lost is the host queue of the worker this acquire replaces: one that
+	// stopped answering, or one alive whose device or communicator failed
+	// the run (that worker refuses the acquire).
 	Lost string `json:"lost,omitempty"`
 }
 

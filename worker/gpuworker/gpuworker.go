@@ -33,6 +33,7 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
 	sdkworker "go.temporal.io/sdk/worker"
 )
 
@@ -233,8 +234,17 @@ func checkAdvertise(addr string) error {
 }
 
 // Acquire is workflows.AcquireGPUActivity: it answers with this process's
-// host queue. Any GPU worker may answer; the run then sticks to it.
+// host queue. Any GPU worker may answer; the run then sticks to it. A
+// worker the run just lost (its device or communicator gone, so the
+// interpreter moved the step away) refuses: it is alive and polls, and
+// answering would hand the step back to the GPU that failed it. The retry
+// goes to another GPU worker, or the acquire fails naming this one.
 func (g *GPU) Acquire(ctx context.Context, in workflows.GPUAcquireInput) (workflows.GPUHost, error) {
+	if in.Lost != "" && in.Lost == g.Info.TaskQueue {
+		return workflows.GPUHost{}, temporal.NewApplicationError(
+			fmt.Sprintf("GPU worker %s (device %d, task queue %s) was lost to run %s; another GPU worker must take the run", g.Info.Host, g.Info.Device, g.Info.TaskQueue, in.RunID),
+			pipelines.ErrTypeGPUWorkerLost)
+	}
 	return g.Info, nil
 }
 

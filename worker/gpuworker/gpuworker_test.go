@@ -71,6 +71,14 @@ func TestGPUWorkerQueues(t *testing.T) {
 	if host != (workflows.GPUHost{TaskQueue: a.HostQueue, Host: "host-a", Device: 3}) {
 		t.Fatalf("acquire answered %+v", host)
 	}
+	// The worker the run just lost refuses, so the step moves to another.
+	_, err = env.ExecuteActivity(workflows.AcquireGPUActivity, workflows.GPUAcquireInput{RunID: "r", Lost: a.HostQueue})
+	if err == nil || !strings.Contains(err.Error(), "was lost to run r") {
+		t.Fatalf("acquire by the lost worker: %v", err)
+	}
+	if _, err := env.ExecuteActivity(workflows.AcquireGPUActivity, workflows.GPUAcquireInput{RunID: "r", Lost: b.HostQueue}); err != nil {
+		t.Fatalf("another worker's loss: %v", err)
+	}
 	// The start-up policy with the fake NCCL: device 0 when none is asked
 	// for, an advertise address the servers cannot reach refused.
 	f, err := New(c, Options{Host: "host-b", Device: -1, FakeNCCL: true})
