@@ -3,6 +3,7 @@ module github.com/rlflow/rlflow
 go 1.26.0
 
 require (
+	github.com/BurntSushi/toml v1.4.0
 	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/expr-lang/expr v1.17.8
 	github.com/sashabaranov/go-openai v1.43.0
@@ -11,6 +12,8 @@ require (
 	github.com/stretchr/testify v1.12.1
 	go.temporal.io/api v1.64.3
 	go.temporal.io/sdk v1.51.0
+	go.temporal.io/sdk/contrib/envconfig v1.0.2
+	golang.org/x/net v0.58.0
 	golang.org/x/term v0.48.0
 	gopkg.in/yaml.v3 v3.0.1
 )
@@ -31,7 +34,6 @@ require (
 	github.com/spf13/pflag v1.0.9 // indirect
 	github.com/stretchr/objx v0.5.3 // indirect
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
-	golang.org/x/net v0.58.0 // indirect
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/sys v0.50.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
