@@ -79,6 +79,7 @@ and an example pipeline.`,
 		newSchemaCmd(),
 		newDoubleCmd(),
 		newDemoTrainCmd(),
+		newCodecServerCmd(),
 	)
 	return root
 }
