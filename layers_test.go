@@ -35,7 +35,7 @@ var layers = [][]string{
 	// The control worker.
 	{"worker"},
 	// The GPU worker, test support over everything.
-	{"worker/gpuworker", "internal/testutil"},
+	{"worker/gpuworker", "internal/testutil", "internal/testutil/tlstest"},
 	{"internal/testutil/gputest"},
 	// Flags and wiring.
 	{"cmd/rlflow"},
