@@ -8,15 +8,72 @@ import (
 
 	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/log"
 )
 
-// Connect dials a Temporal frontend for a command: it fails at once when
-// the frontend cannot be reached, and the SDK's own log is dropped (the
-// command reports what matters through the errors it returns).
+// Target is a Temporal frontend and how to reach it. Every client rlflow
+// makes is built from one, by clientOptions.
+type Target struct {
+	Address, Namespace string
+	// Security is the connection's TLS and credentials; the zero value
+	// is plaintext without credentials (a dev server).
+	Security Security
+}
+
+// Security is the TLS, API key and gRPC metadata of a connection, as
+// Resolve read them from Temporal's client configuration. It holds key
+// material, so it prints only the settings' names and paths.
+type Security struct {
+	// base holds the TLS and authority (ConnectionOptions), the API key
+	// (Credentials) and the gRPC metadata (HeadersProvider); nothing else.
+	base client.Options
+	// clientCert says a client certificate is configured (mTLS).
+	clientCert bool
+	// settings lists the settings in effect and where each came from,
+	// for messages (Security.String).
+	settings string
+}
+
+// String lists the settings in effect and where each came from, never
+// key material: "plaintext, no client certificate or API key" for the zero Security.
+func (s Security) String() string {
+	if s.settings == "" {
+		return "plaintext, no client certificate or API key"
+	}
+	return s.settings
+}
+
+// GoString is String, so that %#v cannot print key material either.
+func (s Security) GoString() string { return s.String() }
+
+// clientOptions are the options of every client rlflow makes: the one
+// place where they are built.
+func clientOptions(t Target, logger log.Logger) (client.Options, error) {
+	opts := t.Security.base
+	opts.HostPort = t.Address
+	opts.Namespace = t.Namespace
+	opts.Logger = logger
+	return opts, nil
+}
+
+// Connect dials a dev server (plaintext, no credentials) at address: see
+// ConnectTarget.
 func Connect(ctx context.Context, address, namespace string) (client.Client, error) {
-	c, err := client.DialContext(ctx, client.Options{HostPort: address, Namespace: namespace, Logger: quietLogger{}})
+	return ConnectTarget(ctx, Target{Address: address, Namespace: namespace})
+}
+
+// ConnectTarget dials a Temporal frontend for a command: it fails at once
+// when the frontend cannot be reached (a TLS handshake that failed says
+// why, as a *TLSError), and the SDK's own log is dropped (the command
+// reports what matters through the errors it returns).
+func ConnectTarget(ctx context.Context, t Target) (client.Client, error) {
+	opts, err := clientOptions(t, quietLogger{})
 	if err != nil {
-		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", address, namespace, err)
+		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", t.Address, t.Namespace, err)
+	}
+	c, err := client.DialContext(ctx, opts)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", t.Address, t.Namespace, diagnose(ctx, t, err))
 	}
 	return c, nil
 }
@@ -24,6 +81,9 @@ func Connect(ctx context.Context, address, namespace string) (client.Client, err
 // DialOptions configure Dial.
 type DialOptions struct {
 	Address, Namespace string
+	// Security is the connection's TLS and credentials (Resolve); the
+	// zero value is plaintext without credentials.
+	Security Security
 	// Log is the worker's log: it gets a warning per failed attempt and
 	// the SDK's own lines at warn and above (SDKLogger). Nil discards both.
 	Log *slog.Logger
@@ -40,8 +100,9 @@ var workerBackoff = Backoff{Min: time.Second, Max: 30 * time.Second}
 // Dial connects a worker to its frontend, waiting for the frontend to
 // answer as long as it takes (or MaxWait): a worker started before its
 // server, or during an outage, starts once the server is back. An answer
-// that is an error (the namespace does not exist, permission denied, bad
-// TLS) fails at once.
+// that is an error (the namespace does not exist, permission denied) and
+// a TLS handshake that failed (*TLSError: an untrusted certificate, a
+// refused client certificate) fail at once: waiting cannot fix them.
 //
 // Why not client.NewLazyClient: it only moves the failure into the SDK
 // worker's Start, which is memoized (a Start that failed cannot be
@@ -61,14 +122,18 @@ func Dial(ctx context.Context, o DialOptions) (client.Client, error) {
 		wctx, cancel = context.WithTimeout(ctx, o.MaxWait)
 		defer cancel()
 	}
-	opts := client.Options{HostPort: o.Address, Namespace: o.Namespace, Logger: SDKLogger(log.Handler())}
+	t := Target{Address: o.Address, Namespace: o.Namespace, Security: o.Security}
+	opts, err := clientOptions(t, SDKLogger(log.Handler()))
+	if err != nil {
+		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", o.Address, o.Namespace, err)
+	}
 	start := time.Now()
 	var c client.Client
 	failed := 0
-	err := retry(wctx, o.Backoff, func(ctx context.Context) error {
+	err = retry(wctx, o.Backoff, func(ctx context.Context) error {
 		var err error
 		if c, err = client.DialContext(ctx, opts); err != nil {
-			return err
+			return diagnose(ctx, t, err)
 		}
 		// The SDK worker's Start describes the namespace; asking here
 		// first tells a missing namespace (fail now) from a server
