@@ -10,6 +10,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/rlflow/rlflow/runs"
 	"github.com/spf13/cobra"
 )
 
@@ -21,10 +22,20 @@ type exitError struct {
 
 func (e *exitError) Error() string { return e.err.Error() }
 
+// globalFlags are the flags of every command. address and namespace hold
+// the flags until the command runs, then the connection resolved from
+// them (resolveConnection); security and connErr are set with them.
 type globalFlags struct {
-	address   string
-	namespace string
-	taskQueue string
+	address    string
+	namespace  string
+	taskQueue  string
+	configFile string
+	profile    string
+	security   runs.Security
+	// connErr is why the connection could not be resolved, reported by
+	// the commands that connect (target, withClient, dial), not by
+	// those that never do.
+	connErr error
 }
 
 func main() {
@@ -61,9 +72,15 @@ and an example pipeline.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
+	// Every command resolves its connection here; a subcommand with a
+	// PersistentPreRun of its own would skip this one (cobra runs the
+	// nearest only), so none has one.
+	root.PersistentPreRun = func(cmd *cobra.Command, _ []string) { g.resolveConnection(cmd) }
 	pf := root.PersistentFlags()
-	pf.StringVar(&g.address, "address", envOr("TEMPORAL_ADDRESS", "127.0.0.1:7233"), "Temporal frontend host:port (env TEMPORAL_ADDRESS)")
-	pf.StringVar(&g.namespace, "namespace", envOr("TEMPORAL_NAMESPACE", "default"), "Temporal namespace (env TEMPORAL_NAMESPACE)")
+	pf.StringVar(&g.address, "address", "", "Temporal frontend host:port (default: env TEMPORAL_ADDRESS, else the profile's address, else "+runs.DefaultAddress+")")
+	pf.StringVar(&g.namespace, "namespace", "", "Temporal namespace (default: env TEMPORAL_NAMESPACE, else the profile's namespace, else "+runs.DefaultNamespace+")")
+	pf.StringVar(&g.configFile, "config-file", "", "Temporal client config file (TOML) as the Temporal CLI reads it (default: env TEMPORAL_CONFIG_FILE, else <user config dir>/temporalio/temporal.toml)")
+	pf.StringVar(&g.profile, "profile", "", "profile of the config file (default: env TEMPORAL_PROFILE, else default)")
 	pf.StringVar(&g.taskQueue, "task-queue", envOr("RLFLOW_TASK_QUEUE", "rlflow"), "task queue of the control worker (env RLFLOW_TASK_QUEUE)")
 	root.AddCommand(
 		newValidateCmd(),
@@ -75,7 +92,7 @@ and an example pipeline.`,
 		newGraphCmd(),
 		newScheduleCmd(g),
 		newWorkerCmd(g),
-		newDevCmd(g),
+		localConnection(newDevCmd(g)),
 		newSchemaCmd(),
 		newDoubleCmd(),
 		newDemoTrainCmd(),

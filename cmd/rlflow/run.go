@@ -119,7 +119,7 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 			// run --wait does: Ctrl-C stops waiting.
 			ctx := cmd.Context()
 			errOut := cmd.ErrOrStderr()
-			c, err := runs.Dial(ctx, runs.DialOptions{Address: g.address, Namespace: g.namespace,
+			c, err := g.dial(ctx, runs.DialOptions{
 				Log: slog.New(slog.NewTextHandler(errOut, &slog.HandlerOptions{Level: slog.LevelWarn})), Backoff: runs.Backoff{Min: time.Second, Max: 5 * time.Second}})
 			if err != nil {
 				return err

@@ -1,10 +1,12 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
 
 	"github.com/rlflow/rlflow/runs"
 	"github.com/spf13/cobra"
@@ -17,15 +19,74 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
+// connectionAnnotation marks a command that reaches its Temporal server
+// otherwise than through Temporal's client configuration.
+const connectionAnnotation = "rlflow/connection"
+
+// localConnection marks cmd as one that talks to a local dev server
+// (rlflow dev): plaintext, at --address, else TEMPORAL_ADDRESS, else the
+// default, and --namespace likewise; a profile (often a cloud cluster's)
+// is not read.
+func localConnection(cmd *cobra.Command) *cobra.Command {
+	if cmd.Annotations == nil {
+		cmd.Annotations = map[string]string{}
+	}
+	cmd.Annotations[connectionAnnotation] = "local"
+	return cmd
+}
+
+// resolveConnection replaces the --address and --namespace flags with the
+// connection cmd uses, once the flags are parsed: the flags over
+// Temporal's client configuration (TEMPORAL_* over the --profile of the
+// --config-file), as the Temporal CLI reads it. Its error waits in connErr
+// for a command that connects: validate does not fail on a broken
+// Temporal config file.
+func (g *globalFlags) resolveConnection(cmd *cobra.Command) {
+	if cmd.Annotations[connectionAnnotation] == "local" {
+		g.address = cmp.Or(g.address, os.Getenv("TEMPORAL_ADDRESS"), runs.DefaultAddress)
+		g.namespace = cmp.Or(g.namespace, os.Getenv("TEMPORAL_NAMESPACE"), runs.DefaultNamespace)
+		return
+	}
+	t, err := runs.Resolve(runs.Settings{Address: g.address, Namespace: g.namespace, ConfigFile: g.configFile, Profile: g.profile})
+	if err != nil {
+		g.connErr = err
+		return
+	}
+	g.address, g.namespace, g.security = t.Address, t.Namespace, t.Security
+}
+
+// target is the resolved connection, or why there is none.
+func (g *globalFlags) target() (runs.Target, error) {
+	if g.connErr != nil {
+		return runs.Target{}, g.connErr
+	}
+	return runs.Target{Address: g.address, Namespace: g.namespace, Security: g.security}, nil
+}
+
 // withClient connects to the Temporal frontend, runs fn and closes the
 // connection.
 func (g *globalFlags) withClient(ctx context.Context, fn func(client.Client) error) error {
-	c, err := runs.Connect(ctx, g.address, g.namespace)
+	t, err := g.target()
+	if err != nil {
+		return err
+	}
+	c, err := runs.ConnectTarget(ctx, t)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	return fn(c)
+}
+
+// dial is runs.Dial to the resolved connection; o's address, namespace
+// and security are set here.
+func (g *globalFlags) dial(ctx context.Context, o runs.DialOptions) (client.Client, error) {
+	t, err := g.target()
+	if err != nil {
+		return nil, err
+	}
+	o.Address, o.Namespace, o.Security = t.Address, t.Namespace, t.Security
+	return runs.Dial(ctx, o)
 }
 
 // idCommand builds a command that takes one id, calls act with a connected

@@ -133,7 +133,7 @@ func (f connectFlags) check() error {
 // while it waits, it returns neither client nor error: the worker was
 // asked to stop, and does.
 func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, log *slog.Logger) (client.Client, error) {
-	c, err := runs.Dial(ctx, runs.DialOptions{Address: g.address, Namespace: g.namespace, Log: log, MaxWait: f.timeout})
+	c, err := g.dial(ctx, runs.DialOptions{Log: log, MaxWait: f.timeout})
 	if err != nil && ctx.Err() != nil {
 		log.Info("stopped while waiting for temporal", "address", g.address)
 		return nil, nil
