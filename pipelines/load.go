@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -285,11 +286,47 @@ func (l *loader) parse() (root *yaml.Node) {
 		l.errNode(root, "", "empty document: want a mapping with version, name and steps")
 		return nil
 	}
+	// A document that is not a mapping, or a mapping with no key a pipeline
+	// has, is not a pipeline at all but whatever file was named: nothing of
+	// it is quoted beyond a redacted excerpt.
 	if root.Kind != yaml.MappingNode {
-		l.errNode(root, "", "the document must be a mapping with version, name and steps, got %s", describe(root))
+		msg := "the document must be a mapping with version, name and steps, got " + kindOf(root)
+		if root.Kind == yaml.ScalarNode {
+			msg += fmt.Sprintf(" (it reads %q, values masked)", redactedExcerpt(l.lineText(root.Line)))
+		}
+		l.errNode(root, "", "%s", msg)
+		return nil
+	}
+	if k := l.foreignKey(root); k != nil {
+		l.errNode(k, "", "not a pipeline: a mapping with none of the keys version, name and steps (line %d reads %q, values masked)",
+			k.Line, redactedExcerpt(l.lineText(k.Line)))
 		return nil
 	}
 	return root
+}
+
+// foreignKey returns the first key of a root mapping none of whose keys is
+// a pipeline's or a likely typo of one; nil when some key is (or there are
+// none, or a merge key hides them).
+func (l *loader) foreignKey(root *yaml.Node) *yaml.Node {
+	names := make([]string, len(pipelineObj.fields))
+	for i, f := range pipelineObj.fields {
+		names[i] = f.name
+	}
+	var first *yaml.Node
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		k := deref(root.Content[i])
+		if k == nil || k.Kind != yaml.ScalarNode || k.ShortTag() == "!!merge" {
+			return nil
+		}
+		if slices.Contains(names, k.Value) || suggest(k.Value, names) != "" {
+			return nil
+		}
+		if first == nil {
+			first = root.Content[i]
+		}
+	}
+	return first
 }
 
 // yamlParserProblems are the messages of yaml.v3's parser (as opposed to
@@ -318,10 +355,12 @@ func (l *loader) yamlError(err error) {
 		msg = m[2]
 	} else if m := unknownAnchorRe.FindStringSubmatch(msg); m != nil {
 		// yaml.v3 gives no position here; the first use of the alias is it.
+		// The name is left out: the position shows it, and a file that does
+		// not parse may be any file (a line "*secret" is such an alias).
 		if i := bytes.Index(l.data, []byte("*"+m[1])); i >= 0 {
 			line, col = l.offsetPos(i)
 		}
-		msg = strings.TrimPrefix(msg, "yaml: ")
+		msg = "unknown anchor referenced (an alias *name needs an anchor &name before it)"
 	} else {
 		msg = strings.TrimPrefix(msg, "yaml: ")
 		line = 0 // yaml.v3 leaves the line out when it is the first
