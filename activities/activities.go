@@ -42,6 +42,10 @@ type Deps struct {
 	// nil means one shared client sized for pipelines.MaxConcurrency
 	// connections per server (vllm.NewHTTPClient).
 	HTTPClient *http.Client
+	// Roots are the directories every path a pipeline names must resolve
+	// inside (paths.go); nil confines nothing, for programs that trust
+	// every spec. The rlflow worker commands always set them.
+	Roots *Roots
 	// NCCL is the GPU worker's NCCL backend (transfer/ncclengine); nil on
 	// control workers, where init_transfer and broadcast with the nccl
 	// backend fail at once with NoGPUWorker (the interpreter routes them
@@ -102,11 +106,20 @@ func (a *Activities) Noop(ctx context.Context, in NoopInput) (map[string]any, er
 	return out, nil
 }
 
-// LoadPipeline loads and validates a pipeline file on the worker's disk.
+// LoadPipeline loads and validates a pipeline file on the worker's disk: a
+// regular file inside the worker's roots, whose base_dir lies inside them
+// too. A relative path is relative to the worker's working directory.
 func (a *Activities) LoadPipeline(ctx context.Context, path string) (*pipelines.Pipeline, error) {
-	p, err := pipelines.LoadFile(path)
+	file, err := a.Roots.Resolve("spec_path", "", path)
 	if err != nil {
 		return nil, badInput(ctx, "%v", err)
+	}
+	p, err := pipelines.LoadFile(file)
+	if err != nil {
+		return nil, badInput(ctx, "%v", err)
+	}
+	if _, err := a.Roots.Resolve("base_dir", "", p.BaseDir); err != nil {
+		return nil, badInput(ctx, "%s: %v", file, err)
 	}
 	return p, nil
 }

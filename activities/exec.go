@@ -99,13 +99,25 @@ func (a *Activities) exec(ctx context.Context, in ExecInput, at attemptInfo) (*E
 		return nil, badInput(ctx, "exec: command[0], the program, is empty")
 	}
 	sc := in.Context
-	dir := resolvePath(sc.BaseDir, in.Dir)
+	dir, err := a.Roots.Resolve("with.dir", sc.BaseDir, in.Dir)
+	if err != nil {
+		return nil, badInput(ctx, "exec: %v", err)
+	}
 	if dir != "" {
 		if st, err := os.Stat(dir); err != nil || !st.IsDir() {
 			return nil, badInput(ctx, "exec: dir %q is not a directory", dir)
 		}
 	}
-	prog, err := lookPath(in.Command[0], dir)
+	// A relative program path names a file of the pipeline's tree, which
+	// the roots confine like any other; an absolute one or a name looked up
+	// in PATH is a program of the host (as python is), not a file to read.
+	name := in.Command[0]
+	if strings.Contains(name, "/") && !filepath.IsAbs(name) {
+		if name, err = a.Roots.resolveFrom("with.command[0]", name, "with.dir", dir); err != nil {
+			return nil, badInput(ctx, "exec: %v", err)
+		}
+	}
+	prog, err := lookPath(name, dir)
 	if err != nil {
 		return nil, stepError(ctx, pipelines.ErrTypeCommandNotFound, err, "exec")
 	}

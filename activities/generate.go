@@ -171,14 +171,20 @@ type genResult struct {
 func (a *Activities) newGenRun(ctx context.Context, step string, in *GenerateInput, defaultName string, wantAnswer bool, extra []byte) (*genRun, error) {
 	g := &genRun{a: a, step: step, in: in}
 	sc := in.Context
-	set, err := readPrompts(resolvePath(sc.BaseDir, in.Prompts), wantAnswer)
+	prompts, err := a.Roots.Resolve("with.prompts", sc.BaseDir, in.Prompts)
+	if err != nil {
+		return nil, badInput(ctx, "%s: %v", step, err)
+	}
+	set, err := readPrompts(prompts, wantAnswer)
 	if err != nil {
 		return nil, badInput(ctx, "%s: %v", step, err)
 	}
 	g.set = set
 	switch {
 	case in.Output != "":
-		g.output = resolvePath(sc.BaseDir, in.Output)
+		if g.output, err = a.Roots.Resolve("with.output", sc.BaseDir, in.Output); err != nil {
+			return nil, badInput(ctx, "%s: %v", step, err)
+		}
 	case a.DataDir != "":
 		g.output = filepath.Join(stepDir(a.DataDir, sc), defaultName)
 	default:

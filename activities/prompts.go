@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"os"
 	"strconv"
 	"strings"
 
@@ -48,7 +47,7 @@ func (s *promptSet) where(p *prompt) string {
 // metadata work unchanged. Blank lines are skipped. Every problem is
 // reported as file:line.
 func readPrompts(path string, wantAnswer bool) (*promptSet, error) {
-	f, err := os.Open(path)
+	f, err := openRegular(path)
 	if err != nil {
 		return nil, fmt.Errorf("prompts: %w", err)
 	}

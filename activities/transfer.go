@@ -93,8 +93,13 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	if err != nil {
 		return nil, err
 	}
-	ckpt, err := filepath.Abs(resolvePath(sc.BaseDir, in.Checkpoint))
+	// Confined here, before either backend opens it (the NCCL engine reads
+	// it on this host; the disk backend hands it to the servers).
+	ckpt, err := a.Roots.Resolve("with.checkpoint", sc.BaseDir, in.Checkpoint)
 	if err != nil {
+		return nil, badInput(ctx, "%s: %v", step, err)
+	}
+	if ckpt, err = filepath.Abs(ckpt); err != nil {
 		return nil, badInput(ctx, "%s: checkpoint %q: %v", step, in.Checkpoint, err)
 	}
 	version := in.Version
