@@ -25,7 +25,7 @@ func newDevCmd(g *globalFlags) *cobra.Command {
 	var params []string
 	var uiPort int
 	var exit, noBuild, useDouble bool
-	var temporalPath, stateDir, example string
+	var temporalPath, stateDir, example, roots string
 	cmd := &cobra.Command{
 		Use:   "dev [FILE]",
 		Short: "All in one: local Temporal dev server + UI, a worker, a vLLM double, and the RLHF demo",
@@ -46,7 +46,11 @@ a sample from before and after the update and the eval score. With
 hello runs the shell-only example.
 
 If something already listens on --address, dev uses that server instead of
-starting one. State persists in --state-dir, so the UI keeps listing runs.`,
+starting one. State persists in --state-dir, so the UI keeps listing runs.
+
+Its worker serves files from FILE's directory and --state-dir only (--roots
+replaces FILE's directory; see rlflow worker --help): a run started from the
+UI cannot reach the rest of the machine through a path.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -97,13 +101,29 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 				defer srv.Stop()
 				fmt.Fprintf(out, "Temporal dev server on %s, UI at %s\n", srv.Address, srv.UIURL)
 			}
+			// FILE's directory, or the state dir that holds an example's
+			// work dir; the state dir holds the worker's logs and data.
+			list := roots
+			switch {
+			case list != "":
+			case len(args) == 1:
+				if list, err = filepath.Abs(filepath.Dir(args[0])); err != nil {
+					return err
+				}
+			default:
+				list = state
+			}
+			r, err := workerRoots(list, state)
+			if err != nil {
+				return err
+			}
 			c, err := runs.Connect(ctx, g.address, g.namespace)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
 			w, err := worker.NewControl(c, worker.Options{TaskQueue: g.taskQueue,
-				Deps: activities.Deps{LogDir: filepath.Join(state, "logs"), DataDir: filepath.Join(state, "data")}})
+				Deps: activities.Deps{LogDir: filepath.Join(state, "logs"), DataDir: filepath.Join(state, "data"), Roots: r}})
 			if err != nil {
 				return err
 			}
@@ -133,6 +153,7 @@ starting one. State persists in --state-dir, so the UI keeps listing runs.`,
 	f.StringVar(&temporalPath, "temporal", "", "path of the Temporal CLI binary (default: $RLFLOW_TEMPORAL, ./bin/temporal, PATH)")
 	f.StringVar(&stateDir, "state-dir", ".rlflow", "directory for the dev server's database, step logs and the example's work files")
 	f.StringVar(&example, "example", defaultDevExample, "embedded example to run without FILE: "+strings.Join(exampleNames(), ", "))
+	addRootsFlag(cmd, &roots, "FILE's directory")
 	f.BoolVar(&useDouble, "vllm-double", false, "serve the pipeline's servers with in-process vLLM test doubles (default: on for embedded examples with servers)")
 	return cmd
 }

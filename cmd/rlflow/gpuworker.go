@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/worker/gpuworker"
@@ -56,7 +57,7 @@ func envInt(key string, def int) (int, error) {
 	return v, nil
 }
 
-func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFlags, log *slog.Logger) error {
+func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFlags, roots *activities.Roots, log *slog.Logger) error {
 	if f.envErr != nil {
 		return f.envErr
 	}
@@ -66,7 +67,7 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFla
 	}
 	defer c.Close()
 	w, err := gpuworker.New(c, gpuworker.Options{SharedQueue: f.queue, Device: f.device, Advertise: f.advertise,
-		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Log: log})
+		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Roots: roots, Log: log})
 	if err != nil {
 		return err
 	}
@@ -75,7 +76,7 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFla
 		return fmt.Errorf("starting GPU worker: %w", err)
 	}
 	log.Info("rlflow GPU worker running", "address", g.address, "namespace", g.namespace, "gpu_task_queue", f.queue,
-		"host_queue", w.HostQueue, "device", w.Info.Device, "pid", os.Getpid())
+		"host_queue", w.HostQueue, "device", w.Info.Device, "roots", roots.String(), "pid", os.Getpid())
 	<-ctx.Done()
 	w.Stop()
 	return nil

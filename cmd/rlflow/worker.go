@@ -18,7 +18,7 @@ import (
 )
 
 func newWorkerCmd(g *globalFlags) *cobra.Command {
-	var logDir, dataDir string
+	var logDir, dataDir, roots string
 	var maxActivities int
 	var gf gpuFlags
 	var cf connectFlags
@@ -36,6 +36,14 @@ gpu_acquire on --gpu-task-queue with a task queue of its own
 broadcasting checkpoints from --gpu-device over NCCL to the vLLM servers.
 --advertise is the address the servers reach it at for the NCCL rendezvous.
 
+A worker reads and writes only inside its roots (--roots): every path a
+pipeline names (spec_path, base_dir, prompts, outputs, checkpoints, an exec
+step's dir and relative program) must resolve there, symbolic links followed,
+or the step fails naming the field. Anyone who can start a workflow on the
+cluster chooses those paths. Without --roots (or RLFLOW_ROOTS) the root is
+the working directory; a control worker's --log-dir and --data-dir are always
+roots. / and the kernel's /proc, /sys and /dev are refused as roots.
+
 A worker started while Temporal is down (or unreachable) waits for it,
 logging a warning per attempt, and starts once it answers (--connect-timeout
 bounds the wait); a running worker rides out later outages. The Temporal
@@ -49,7 +57,11 @@ the worker's log.`,
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 			if gf.enabled {
-				return runGPUWorker(ctx, g, gf, cf, log)
+				r, err := workerRoots(roots)
+				if err != nil {
+					return err
+				}
+				return runGPUWorker(ctx, g, gf, cf, r, log)
 			}
 			if gf.fakeNCCL {
 				return errors.New("--fake-nccl needs --gpu")
@@ -62,6 +74,10 @@ the worker's log.`,
 			if err != nil {
 				return err
 			}
+			r, err := workerRoots(roots, abs, data)
+			if err != nil {
+				return err
+			}
 			c, err := dialWorker(ctx, g, cf, log)
 			if err != nil || c == nil {
 				return err
@@ -69,7 +85,7 @@ the worker's log.`,
 			defer c.Close()
 			fatal := make(chan error, 1)
 			w, err := worker.NewControl(c, worker.Options{
-				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data}, MaxConcurrentActivities: maxActivities,
+				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data, Roots: r}, MaxConcurrentActivities: maxActivities,
 				OnFatalError: func(err error) {
 					select {
 					case fatal <- err:
@@ -84,7 +100,7 @@ the worker's log.`,
 				return fmt.Errorf("starting worker: %w", err)
 			}
 			log.Info("rlflow worker running",
-				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "data_dir", data, "pid", os.Getpid())
+				"address", g.address, "namespace", g.namespace, "task_queue", g.taskQueue, "log_dir", abs, "data_dir", data, "roots", r.String(), "pid", os.Getpid())
 			select {
 			case <-ctx.Done():
 			case err := <-fatal:
@@ -99,10 +115,52 @@ the worker's log.`,
 	}
 	cmd.Flags().StringVar(&logDir, "log-dir", envOr("RLFLOW_LOG_DIR", ".rlflow/logs"), "directory for per-attempt step logs (env RLFLOW_LOG_DIR)")
 	cmd.Flags().StringVar(&dataDir, "data-dir", envOr("RLFLOW_DATA_DIR", ".rlflow/data"), "directory for generate and evaluate output files that steps do not place (env RLFLOW_DATA_DIR)")
+	addRootsFlag(cmd, &roots, "the working directory")
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
 	gf.register(cmd)
 	cf.register(cmd)
 	return cmd
+}
+
+// addRootsFlag registers --roots (env RLFLOW_ROOTS) on cmd.
+func addRootsFlag(cmd *cobra.Command, v *string, def string) {
+	cmd.Flags().StringVar(v, "roots", os.Getenv("RLFLOW_ROOTS"), fmt.Sprintf(
+		"directories, separated by %q, that every path a pipeline names must resolve inside, symbolic links followed "+
+			"(spec_path, base_dir, prompts, outputs, checkpoints, exec dir); default: %s (env RLFLOW_ROOTS)", string(os.PathListSeparator), def))
+}
+
+// workerRoots are a worker's roots: those of list (a --roots value), or
+// the working directory when it names none, plus own, the worker's own
+// directories, created when missing.
+func workerRoots(list string, own ...string) (*activities.Roots, error) {
+	var dirs []string
+	for _, d := range filepath.SplitList(list) {
+		if d = strings.TrimSpace(d); d != "" {
+			dirs = append(dirs, d)
+		}
+	}
+	if len(dirs) == 0 {
+		wd, err := os.Getwd()
+		if err != nil {
+			return nil, fmt.Errorf("the default root, the working directory: %w", err)
+		}
+		if _, err := activities.NewRoots(wd); err != nil {
+			return nil, fmt.Errorf("the default root, the working directory: %w (pass --roots or set RLFLOW_ROOTS)", err)
+		}
+		dirs = []string{wd}
+	} else if _, err := activities.NewRoots(dirs...); err != nil {
+		return nil, fmt.Errorf("--roots: %w", err)
+	}
+	for _, d := range own {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, fmt.Errorf("creating %s: %w", d, err)
+		}
+	}
+	r, err := activities.NewRoots(append(dirs, own...)...)
+	if err != nil {
+		return nil, fmt.Errorf("the worker's own directories: %w", err)
+	}
+	return r, nil
 }
 
 // connectFlags bound a worker's wait for its Temporal frontend.

@@ -68,6 +68,9 @@ type Options struct {
 	// Getenv reads the servers' API keys (api_key_env) from this worker's
 	// environment (default os.Getenv).
 	Getenv func(string) string
+	// Roots confine the checkpoints broadcast reads (activities.Roots;
+	// nil confines nothing).
+	Roots *activities.Roots
 	// Log receives start-up warnings and facts (default: discarded).
 	Log *slog.Logger
 }
@@ -131,7 +134,7 @@ func New(c client.Client, opts Options) (*GPU, error) {
 	})
 	// The activities build the fleet from the step context (API keys from
 	// this worker's environment) and hand it to the engine.
-	worker.RegisterTransferActivities(g.Host, activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv}))
+	worker.RegisterTransferActivities(g.Host, activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots}))
 
 	g.Shared = sdkworker.New(c, opts.SharedQueue, sdkworker.Options{})
 	g.Shared.RegisterActivityWithOptions(g.Acquire, activity.RegisterOptions{Name: workflows.AcquireGPUActivity})
