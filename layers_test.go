@@ -19,9 +19,9 @@ const module = "github.com/rlflow/rlflow/"
 // until it is), which is where its place in the design is decided.
 var layers = [][]string{
 	// Foundations: file formats, the C bindings and the NCCL wire formats,
-	// the vLLM client, GPU health, a command's processes, payload
-	// encryption. They import nothing of the module.
-	{"safetensors", "nccl", "nccl/ncclid", "nccl/tcpstore", "vllm", "gpuhealth", "procs", "codec"},
+	// the vLLM client, GPU health, a command's processes, secret masking,
+	// payload encryption. They import nothing of the module.
+	{"safetensors", "nccl", "nccl/ncclid", "nccl/tcpstore", "vllm", "gpuhealth", "procs", "redact", "codec"},
 	// The pipeline spec and step registry (whose server-call defaults are
 	// the vLLM client's), NCCL's planner and test double, the double's
 	// model.
