@@ -24,9 +24,11 @@ import (
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/worker"
+	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
+	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
@@ -317,4 +319,56 @@ func decodeThrough(t *testing.T, url, token string, payloads []*commonpb.Payload
 	require.NoError(t, protojson.Unmarshal(b, &out))
 	require.Len(t, out.Payloads, len(payloads))
 	return out.Payloads
+}
+
+// The codec through the CLI: a worker and `rlflow run --wait` holding the
+// key in their environment run a pipeline whose outputs the CLI prints in
+// plain, while a client without the key finds none of them in history.
+func TestCodecThroughTheCLI(t *testing.T) {
+	srv := testutil.DevServer(t)
+	bin := testutil.RlflowBinary(t)
+	mark := fmt.Sprintf("cli%dx", time.Now().UnixNano())
+	work := t.TempDir()
+	specPath := filepath.Join(work, "cli.yaml")
+	require.NoError(t, os.WriteFile(specPath, []byte(`version: 1
+name: codec-cli
+steps:
+  - id: say
+    uses: noop
+    with: {outputs: {word: "`+mark+`"}}
+`), 0o644))
+	env := append(os.Environ(),
+		codec.EnvKeys+"=k1:"+base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32)), codec.EnvKeyID+"=k1")
+	queue := "codec-cli-" + t.Name()
+	w := exec.Command(bin, "worker", "--address", srv.Address, "--task-queue", queue, "--log-dir", filepath.Join(work, "logs"))
+	w.Env = env
+	var wout bytes.Buffer
+	w.Stdout, w.Stderr = &wout, &wout
+	require.NoError(t, w.Start())
+	t.Cleanup(func() { _ = w.Process.Kill(); _, _ = w.Process.Wait() })
+
+	run := exec.Command(bin, "run", specPath, "--address", srv.Address, "--task-queue", queue, "--wait", "--id", "codec-cli-run")
+	run.Env = env
+	out, err := run.CombinedOutput()
+	require.NoError(t, err, "rlflow run:\n%s\nworker:\n%s", out, wout.String())
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	plain, err := runs.Connect(ctx, srv.Address, "default")
+	require.NoError(t, err)
+	defer plain.Close()
+	require.Contains(t, string(out), mark, "the key holder's CLI prints the output in plain")
+	for _, id := range []string{"codec-cli-run", workflows.IterationWorkflowID("codec-cli-run", 1)} {
+		it := plain.GetWorkflowHistory(ctx, id, "", false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
+		n := 0
+		for it.HasNext() {
+			ev, err := it.Next()
+			require.NoError(t, err)
+			b, err := proto.Marshal(ev)
+			require.NoError(t, err)
+			assert.NotContains(t, string(b), mark, "%s event %d holds the output in plain", id, ev.GetEventId())
+			n++
+		}
+		require.Positive(t, n, "history of %s", id)
+	}
 }

@@ -4,11 +4,15 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"time"
 
+	"github.com/rlflow/rlflow/codec"
 	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/log"
+	"go.temporal.io/sdk/temporal"
 )
 
 // Target is a Temporal frontend and how to reach it. Every client rlflow
@@ -53,8 +57,22 @@ func clientOptions(t Target, logger log.Logger) (client.Options, error) {
 	opts.HostPort = t.Address
 	opts.Namespace = t.Namespace
 	opts.Logger = logger
+	dc, err := payloadCodec()
+	if err != nil {
+		return opts, err
+	}
+	if dc != nil {
+		// Failure messages (exec log tails, paths) are not payloads: the
+		// failure converter encodes them too, or they stay plaintext.
+		opts.DataConverter = dc
+		opts.FailureConverter = temporal.NewDefaultFailureConverter(temporal.DefaultFailureConverterOptions{DataConverter: dc, EncodeCommonAttributes: true})
+	}
 	return opts, nil
 }
+
+// payloadCodec is the payload encryption of every client rlflow makes, from
+// the environment (codec.FromEnv); nil when it is off.
+func payloadCodec() (converter.DataConverter, error) { return codec.FromEnv(os.Getenv) }
 
 // Connect dials a dev server (plaintext, no credentials) at address: see
 // ConnectTarget.

@@ -12,9 +12,12 @@ import (
 
 	"github.com/rlflow/rlflow/workflows"
 	enumspb "go.temporal.io/api/enums/v1"
+	failurepb "go.temporal.io/api/failure/v1"
 	"go.temporal.io/api/serviceerror"
 	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/converter"
+	"google.golang.org/protobuf/proto"
 )
 
 // StepView is one step as `status` shows it: the interpreter's state merged
@@ -97,7 +100,7 @@ func getStatus(ctx context.Context, c client.Client, workflowID, runID string, c
 		for _, pa := range cd.RawResponse.GetPendingActivities() {
 			v := StepView{
 				StepResult:  workflows.StepResult{Attempts: int(pa.GetAttempt())},
-				LastFailure: pa.GetLastFailure().GetMessage(),
+				LastFailure: failureMessage(pa.GetLastFailure()),
 			}
 			id := pa.GetActivityId()
 			if step, ok := workflows.RoutedStepID(id); ok {
@@ -205,4 +208,14 @@ func truncate(s string, n int) string {
 		return s
 	}
 	return s[:n-3] + "..."
+}
+
+// failureMessage is a failure's message, decrypted when the payload codec is
+// on (the failure converter then encodes it; see clientOptions).
+func failureMessage(f *failurepb.Failure) string {
+	if dc, _ := payloadCodec(); dc != nil && f != nil {
+		f = proto.Clone(f).(*failurepb.Failure)
+		converter.DecodeCommonFailureAttributes(dc, f)
+	}
+	return f.GetMessage()
 }
