@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/redact"
 	"github.com/rlflow/rlflow/transfer"
 	"go.temporal.io/sdk/activity"
 )
@@ -35,9 +36,17 @@ type Deps struct {
 	// DataDir receives the files of generate and evaluate steps that set no
 	// output path: <DataDir>/<run>/iter-<n>/<step>/.
 	DataDir string
-	// Getenv reads the worker's environment (the servers' api_key_env);
-	// nil means os.Getenv. Secrets never come from step input.
+	// Getenv reads the worker's environment (the servers' api_key_env,
+	// exec steps' secrets); nil means os.Getenv. Secrets never come from
+	// step input.
 	Getenv func(string) string
+	// Environ lists the worker's environment, which exec commands get
+	// part (ExecEnvMinimal) or all (ExecEnvInherit) of; nil means
+	// os.Environ.
+	Environ func() []string
+	// ExecEnv is how much of the worker's environment exec commands get
+	// ("" means ExecEnvMinimal).
+	ExecEnv ExecEnv
 	// HTTPClient carries every request to the vLLM servers and scorers;
 	// nil means one shared client sized for pipelines.MaxConcurrency
 	// connections per server (vllm.NewHTTPClient).
@@ -66,10 +75,15 @@ type Activities struct {
 
 	// execs are the exec commands this worker process runs (attempts.go).
 	execs execTable
+
+	// secrets are every secret value this worker read (secrets.go).
+	secrets *redact.Masker
 }
 
 // New returns the activities.
-func New(d Deps) *Activities { return &Activities{Deps: d, disk: transfer.NewDisk()} }
+func New(d Deps) *Activities {
+	return &Activities{Deps: d, disk: transfer.NewDisk(), secrets: redact.New()}
+}
 
 // NoopInput is the `with` of a noop step.
 type NoopInput struct {

@@ -16,11 +16,14 @@ import (
 // pipelines.ErrorTypes (a non-retryable type fails the step whatever its
 // retry policy), with the attempt as its detail so the interpreter can
 // report it. The message says which step and which call failed and never
-// repeats the cause: the error's text is the message, then the cause.
+// repeats the cause: the error's text is the message, then the cause. Every
+// secret the worker knows (the context's masker, secrets.go) is masked in
+// the message and the cause.
 func stepError(ctx context.Context, errType string, cause error, format string, args ...any) error {
-	return temporal.NewApplicationErrorWithOptions(fmt.Sprintf(format, args...), errType, temporal.ApplicationErrorOptions{
+	m := maskerOf(ctx)
+	return temporal.NewApplicationErrorWithOptions(m.Mask(fmt.Sprintf(format, args...)), errType, temporal.ApplicationErrorOptions{
 		NonRetryable: pipelines.IsNonRetryable(errType),
-		Cause:        cause,
+		Cause:        maskCause(m, cause),
 		Details:      []any{pipelines.AttemptDetail{Attempt: attemptOf(ctx)}},
 	})
 }
@@ -28,7 +31,7 @@ func stepError(ctx context.Context, errType string, cause error, format string, 
 // staleWeightsError is the StaleWeights error: its second detail names the
 // servers, so the interpreter re-syncs exactly those.
 func staleWeightsError(ctx context.Context, stale pipelines.StaleServers, format string, args ...any) error {
-	return temporal.NewApplicationErrorWithOptions(fmt.Sprintf(format, args...), pipelines.ErrTypeStaleWeights, temporal.ApplicationErrorOptions{
+	return temporal.NewApplicationErrorWithOptions(maskerOf(ctx).Mask(fmt.Sprintf(format, args...)), pipelines.ErrTypeStaleWeights, temporal.ApplicationErrorOptions{
 		Details: []any{pipelines.AttemptDetail{Attempt: attemptOf(ctx)}, stale},
 	})
 }

@@ -6,19 +6,17 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"sort"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/procs"
+	"github.com/rlflow/rlflow/redact"
 	"go.temporal.io/sdk/activity"
 )
 
@@ -27,6 +25,7 @@ type ExecInput struct {
 	Context   pipelines.StepContext `json:"context"`
 	Command   []string              `json:"command"`
 	Env       map[string]string     `json:"env,omitempty"`
+	Secrets   []string              `json:"secrets,omitempty"`
 	Dir       string                `json:"dir,omitempty"`
 	KillGrace pipelines.Duration    `json:"kill_grace,omitempty"`
 }
@@ -92,11 +91,17 @@ func (a *Activities) Exec(ctx context.Context, in ExecInput) (*ExecOutput, error
 }
 
 func (a *Activities) exec(ctx context.Context, in ExecInput, at attemptInfo) (*ExecOutput, error) {
+	// Mask the worker's secrets in every error below, with or without
+	// the worker's Interceptor.
+	ctx = withMasker(ctx, a.secrets)
 	if err := resolveArgs(ctx, pipelines.StepExec, &in); err != nil {
 		return nil, err
 	}
 	if in.Command[0] == "" {
 		return nil, badInput(ctx, "exec: command[0], the program, is empty")
+	}
+	if err := a.learnSecrets(ctx, in); err != nil {
+		return nil, err
 	}
 	sc := in.Context
 	dir, err := a.Roots.Resolve("with.dir", sc.BaseDir, in.Dir)
@@ -166,7 +171,13 @@ func (a *Activities) exec(ctx context.Context, in ExecInput, at attemptInfo) (*E
 		return nil, ctx.Err()
 	}
 	logPath, outputsPath := p.rec.Log, p.rec.Outputs
-	tail := fileTail(logPath, logTailBytes)
+	// The outputs file is masked on disk whatever the command's outcome
+	// (the log stays as the command wrote it: its tail is masked when
+	// quoted).
+	if err := maskFile(a.secrets, outputsPath, maxOutputsBytes); err != nil {
+		return nil, stepError(ctx, pipelines.ErrTypeIO, err, "exec: %s ended (%v), but masking secrets in its outputs file failed", in.Command[0], exitText(waitErr))
+	}
+	tail := fileTail(a.secrets, logPath, logTailBytes)
 	from := ""
 	if adopted > 0 {
 		from = fmt.Sprintf(", attempt %d's command", adopted)
@@ -217,21 +228,8 @@ func (a *Activities) startCommand(in ExecInput, prog, dir string, logFile *os.Fi
 	cmd := exec.Command(prog, in.Command[1:]...)
 	cmd.Dir = dir
 	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.Env = append(os.Environ(),
-		"RLFLOW_OUTPUTS="+outputsPath,
-		"RLFLOW_PIPELINE="+sc.Pipeline,
-		"RLFLOW_RUN_ID="+sc.RunID,
-		"RLFLOW_ITERATION="+strconv.Itoa(sc.Iteration),
-		"RLFLOW_STEP="+sc.StepID,
-		"RLFLOW_ATTEMPT="+strconv.Itoa(at.Attempt),
-	)
-	keys := make([]string, 0, len(in.Env))
-	for k := range in.Env {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		cmd.Env = append(cmd.Env, k+"="+in.Env[k])
+	if cmd.Env, err = a.commandEnv(in, outputsPath, at.Attempt); err != nil {
+		return nil, nil, err
 	}
 	// Last, so the step's env cannot change it: every descendant carries
 	// it, which is how Kill finds the ones that leave the group.
@@ -315,7 +313,9 @@ func lookPath(name, dir string) (string, error) {
 	return p, nil
 }
 
-func fileTail(path string, n int64) string {
+// fileTail is the last n bytes of the file, every secret masked (a tail
+// never starts with a piece of one).
+func fileTail(m *redact.Masker, path string, n int64) string {
 	f, err := os.Open(path)
 	if err != nil {
 		return ""
@@ -325,9 +325,42 @@ func fileTail(path string, n int64) string {
 	if err != nil {
 		return ""
 	}
-	off := max(st.Size()-n, 0)
-	b, _ := io.ReadAll(io.NewSectionReader(f, off, st.Size()-off))
-	return string(b)
+	tail, _ := m.Tail(f, st.Size(), n)
+	return tail
+}
+
+// maskFile masks the secrets in a file of at most limit bytes, in place
+// (replaced atomically, so a reader sees it whole, before or after). A
+// larger file is left alone: nothing of it is read into a step's result.
+func maskFile(m *redact.Masker, path string, limit int64) error {
+	if m.Len() == 0 {
+		return nil
+	}
+	st, err := os.Stat(path)
+	if err != nil || st.Size() > limit {
+		return nil // a missing file is readOutputs' to report
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	masked := m.Mask(string(b))
+	if masked == string(b) {
+		return nil
+	}
+	tmp := path + ".masking"
+	if err := os.WriteFile(tmp, []byte(masked), st.Mode().Perm()); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// exitText says how a command ended, for a message.
+func exitText(waitErr error) string {
+	if waitErr == nil {
+		return "exit code 0"
+	}
+	return waitErr.Error()
 }
 
 var outputKey = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)

@@ -31,7 +31,9 @@ func (a *Activities) httpClient() *http.Client {
 
 // apiKey reads the bearer token named by env from the worker's environment;
 // a named variable that is unset or empty is an error (sending no key would
-// only fail later with a 401 that does not say why).
+// only fail later with a 401 that does not say why). The key becomes one of
+// the worker's secrets, masked in everything it reports (a key shorter than
+// redact.MinLen cannot be masked; rlflow never writes a key anyway).
 func (a *Activities) apiKey(env string) (string, error) {
 	if env == "" {
 		return "", nil
@@ -40,6 +42,7 @@ func (a *Activities) apiKey(env string) (string, error) {
 	if key == "" {
 		return "", fmt.Errorf("api_key_env names %s, which is not set in the worker's environment", env)
 	}
+	a.secrets.Add(key)
 	return key, nil
 }
 

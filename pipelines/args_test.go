@@ -162,6 +162,7 @@ type testExecInput struct {
 	Context   StepContext       `json:"context"`
 	Command   []string          `json:"command"`
 	Env       map[string]string `json:"env,omitempty"`
+	Secrets   []string          `json:"secrets,omitempty"`
 	Dir       string            `json:"dir,omitempty"`
 	KillGrace Duration          `json:"kill_grace,omitempty"`
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/interceptor"
 	sdkworker "go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
 )
@@ -84,15 +85,17 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		// has a flag of its own for it.
 		opts.Deps.DataDir = filepath.Join(filepath.Dir(opts.Deps.LogDir), "data")
 	}
+	acts := activities.New(opts.Deps)
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
+		// The activities' secrets are masked in all they report.
+		Interceptors: []interceptor.WorkerInterceptor{acts.Interceptor()},
 		// More pollers than the SDK's 2, so a wide fan-out of steps is
 		// dispatched at once instead of two at a time (see bench/).
 		MaxConcurrentActivityTaskPollers: 32,
 		MaxConcurrentWorkflowTaskPollers: 4,
 		OnFatalError:                     opts.OnFatalError,
 	})
-	acts := activities.New(opts.Deps)
 	if err := sweepAttempts(acts); err != nil {
 		return nil, err
 	}

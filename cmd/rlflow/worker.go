@@ -20,6 +20,7 @@ import (
 func newWorkerCmd(g *globalFlags) *cobra.Command {
 	var logDir, dataDir, roots string
 	var maxActivities int
+	var execEnv string
 	var gf gpuFlags
 	var cf connectFlags
 	cmd := &cobra.Command{
@@ -43,6 +44,13 @@ or the step fails naming the field. Anyone who can start a workflow on the
 cluster chooses those paths. Without --roots (or RLFLOW_ROOTS) the root is
 the working directory; a control worker's --log-dir and --data-dir are always
 roots. / and the kernel's /proc, /sys and /dev are refused as roots.
+
+Exec commands get a minimal environment (PATH, HOME, the locale, the
+CUDA/NVIDIA/NCCL variables: see the exec step's reference), the secrets their
+step names (secrets: [HF_TOKEN]) from the worker's environment, and their
+env; --exec-env inherit passes the worker's whole environment instead. Every
+secret the worker knows (exec secrets, api_key_env keys) is masked as *** in
+what it reports to Temporal.
 
 A worker started while Temporal is down (or unreachable) waits for it,
 logging a warning per attempt, and starts once it answers (--connect-timeout
@@ -78,6 +86,10 @@ the worker's log.`,
 			if err != nil {
 				return err
 			}
+			execMode, err := activities.ParseExecEnv(execEnv)
+			if err != nil {
+				return fmt.Errorf("--exec-env (env RLFLOW_EXEC_ENV): %w", err)
+			}
 			c, err := dialWorker(ctx, g, cf, log)
 			if err != nil || c == nil {
 				return err
@@ -85,7 +97,7 @@ the worker's log.`,
 			defer c.Close()
 			fatal := make(chan error, 1)
 			w, err := worker.NewControl(c, worker.Options{
-				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data, Roots: r}, MaxConcurrentActivities: maxActivities,
+				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data, Roots: r, ExecEnv: execMode}, MaxConcurrentActivities: maxActivities,
 				OnFatalError: func(err error) {
 					select {
 					case fatal <- err:
@@ -117,6 +129,8 @@ the worker's log.`,
 	cmd.Flags().StringVar(&dataDir, "data-dir", envOr("RLFLOW_DATA_DIR", ".rlflow/data"), "directory for generate and evaluate output files that steps do not place (env RLFLOW_DATA_DIR)")
 	addRootsFlag(cmd, &roots, "the working directory")
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
+	cmd.Flags().StringVar(&execEnv, "exec-env", envOr("RLFLOW_EXEC_ENV", string(activities.ExecEnvMinimal)),
+		"environment of exec commands: minimal (PATH, HOME, locale, CUDA/NVIDIA/NCCL variables, and the secrets a step names) or inherit (the worker's whole environment) (env RLFLOW_EXEC_ENV)")
 	gf.register(cmd)
 	cf.register(cmd)
 	return cmd

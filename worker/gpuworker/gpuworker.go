@@ -33,6 +33,7 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/interceptor"
 	"go.temporal.io/sdk/temporal"
 	sdkworker "go.temporal.io/sdk/worker"
 )
@@ -127,14 +128,17 @@ func New(c client.Client, opts Options) (*GPU, error) {
 	}
 	g.Info = workflows.GPUHost{TaskQueue: g.HostQueue, Host: opts.Host, Device: device}
 
+	// The activities build the fleet from the step context (API keys from
+	// this worker's environment) and hand it to the engine.
+	steps := activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots})
 	g.Host = sdkworker.New(c, g.HostQueue, sdkworker.Options{
 		// One communicator, one transfer at a time: a second broadcast
 		// would interleave its collectives with the first's.
 		MaxConcurrentActivityExecutionSize: 1,
+		// The API keys are masked in all the steps report.
+		Interceptors: []interceptor.WorkerInterceptor{steps.Interceptor()},
 	})
-	// The activities build the fleet from the step context (API keys from
-	// this worker's environment) and hand it to the engine.
-	worker.RegisterTransferActivities(g.Host, activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots}))
+	worker.RegisterTransferActivities(g.Host, steps)
 
 	g.Shared = sdkworker.New(c, opts.SharedQueue, sdkworker.Options{})
 	g.Shared.RegisterActivityWithOptions(g.Acquire, activity.RegisterOptions{Name: workflows.AcquireGPUActivity})
