@@ -288,6 +288,11 @@ func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer 
 	if writeJSON(w, http.StatusOK, rep.body) != nil || http.NewResponseController(w).Flush() != nil {
 		return
 	}
+	if r.Context().Err() != nil {
+		// The client had gone (its connection closed) before the answer
+		// was ready: the bytes went to a dead connection, not to it.
+		return
+	}
 	s.count(func(st *Stats) {
 		for _, k := range rep.samples {
 			if k == "" {
