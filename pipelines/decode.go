@@ -103,7 +103,7 @@ func (l *loader) entries(n *yaml.Node, path string) []entry {
 		}
 		key := dk.Value
 		if first, dup := seen[key]; dup {
-			l.errNode(k, joinPath(path, key), "duplicate key %q (first defined at line %d)", key, first.Line)
+			l.errNode(k, joinPath(path, key), "duplicate key %q (first defined at line %d)", clip(key), first.Line)
 			continue
 		}
 		seen[key] = k
@@ -161,7 +161,7 @@ func (l *loader) decodeObject(n *yaml.Node, rv reflect.Value, obj *object, path 
 			if hint == "" {
 				hint = " (want " + joinNames(obj.keyNames()) + ")"
 			}
-			l.errNode(e.k, p, "unknown key %q%s", e.key, hint)
+			l.errNode(e.k, p, "unknown key %q%s", clip(e.key), hint)
 			continue
 		}
 		l.keys[p] = e.k
@@ -301,7 +301,7 @@ func (l *loader) checkString(n *yaml.Node, s string, f *field, path string) bool
 	}
 	switch {
 	case f.check == nil && len(f.enum) > 0 && !contains(f.enum, s):
-		l.errNode(n, path, "%q is not one of %s%s", s, joinNames(f.enum), didYouMean(s, f.enum))
+		l.errNode(n, path, "%q is not one of %s%s", clip(s), joinNames(f.enum), didYouMean(s, f.enum))
 		return false
 	case f.maxLen > 0 && len(s) > f.maxLen:
 		l.errNode(n, path, "must be at most %d characters, got %d", f.maxLen, len(s))
@@ -576,7 +576,7 @@ func (l *loader) uniqueStrings(list []string, path, what string) {
 			continue
 		}
 		if j, dup := seen[s]; dup {
-			l.errPath(indexPath(path, i), "duplicate %s %q (also at index %d)", what, s, j)
+			l.errPath(indexPath(path, i), "duplicate %s %q (also at index %d)", what, clip(s), j)
 			continue
 		}
 		seen[s] = i

@@ -78,10 +78,14 @@ const (
 	// (params, the carried iteration summaries, the step context) 0.5 MiB.
 	MaxSpecBytes = 3 << 19
 	// MaxRunSpecBytes bounds the copies of the spec one pipeline workflow
-	// run writes to its history: its own input and the input of each of
+	// run writes to its history: SpecStartCopies and the input of each of
 	// its continue_as_new_every iterations. 40 MiB of Temporal's 50 MiB
 	// leave room for the iterations' results and the other events.
 	MaxRunSpecBytes = 40 << 20
+	// SpecStartCopies are the copies of the spec a pipeline workflow run
+	// writes at its start, before its iterations': its input, and the
+	// input and result of the activity that validates it on the worker.
+	SpecStartCopies = 3
 	// MaxContinueAsNewEvery bounds loop.continue_as_new_every: each
 	// iteration adds about ten events to the pipeline run's history, and
 	// Temporal ends a run at 51,200; 1000 iterations stay near the 10,240

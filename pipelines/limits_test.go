@@ -207,8 +207,8 @@ func TestExamplesFitTemporal(t *testing.T) {
 		if every == 0 {
 			every = DefaultContinueAsNewEvery
 		}
-		if len(b)*(every+1) > MaxRunSpecBytes/4 {
-			t.Errorf("%s: %d bytes as JSON, %d copies per run: close to the limits", f, len(b), every+1)
+		if len(b)*(every+SpecStartCopies) > MaxRunSpecBytes/4 {
+			t.Errorf("%s: %d bytes as JSON, %d copies per run: close to the limits", f, len(b), every+SpecStartCopies)
 		}
 	}
 }

@@ -99,11 +99,11 @@ func (p *Pipeline) resolveParams(given map[string]any) (map[string]any, error) {
 		}
 		switch hint := didYouMean(k, names); {
 		case hint != "":
-			errs = append(errs, fmt.Sprintf("unknown param %q%s", k, hint))
+			errs = append(errs, fmt.Sprintf("unknown param %q%s", clip(k), hint))
 		case len(names) == 0:
-			errs = append(errs, fmt.Sprintf("unknown param %q (the pipeline declares no params)", k))
+			errs = append(errs, fmt.Sprintf("unknown param %q (the pipeline declares no params)", clip(k)))
 		default:
-			errs = append(errs, fmt.Sprintf("unknown param %q (declared: %s)", k, joinNames(names)))
+			errs = append(errs, fmt.Sprintf("unknown param %q (declared: %s)", clip(k), joinNames(names)))
 		}
 	}
 	out := make(map[string]any, len(p.Params))

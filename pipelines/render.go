@@ -185,7 +185,7 @@ func EvalCondition(cond string, env Env) (bool, error) {
 	}
 	b, ok := v.(bool)
 	if !ok {
-		return false, fmt.Errorf("condition %q yielded %T (%v), want a bool", src, v, v)
+		return false, fmt.Errorf("condition %q yielded %s, want a bool", clip(src), describeValue(v))
 	}
 	return b, nil
 }

@@ -31,10 +31,10 @@ func (l *loader) checkSpecSize() {
 	if every <= 0 {
 		every = DefaultContinueAsNewEvery
 	}
-	if copies := every + 1; size*copies > MaxRunSpecBytes {
+	if copies := every + SpecStartCopies; size*copies > MaxRunSpecBytes {
 		l.errPath("loop.continue_as_new_every",
-			"a workflow run's history holds the pipeline (%d bytes as JSON) once per iteration and once as its input: %d copies, %s, over the %s allowed, for Temporal ends a run whose history passes 50 MiB; set continue_as_new_every (now %d) to at most %d, or make the pipeline smaller",
-			size, copies, bytesText(size*copies), bytesText(MaxRunSpecBytes), every, MaxRunSpecBytes/size-1)
+			"a workflow run's history holds the pipeline (%d bytes as JSON) once per iteration and %d times at its start (its input, and the input and result of its validation): %d copies, %s, over the %s allowed, for Temporal ends a run whose history passes 50 MiB; set continue_as_new_every (now %d) to at most %d, or make the pipeline smaller",
+			size, SpecStartCopies, copies, bytesText(size*copies), bytesText(MaxRunSpecBytes), every, MaxRunSpecBytes/size-SpecStartCopies)
 	}
 }
 

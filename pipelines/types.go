@@ -1,5 +1,7 @@
 // Package pipelines defines the rlflow pipeline schema, loads and validates
-// pipeline YAML files, and evaluates the ${{ }} expressions in them.
+// pipeline YAML files (Load) and the same pipelines written as JSON in a
+// run's input (LoadJSON, the same checks and messages), and evaluates the
+// ${{ }} expressions in them.
 //
 // The step registry (steptypes*.go: each argument's kind, range, enum and
 // default; scorer.go: the scorer keys), the schema tables (schema.go), the
@@ -15,10 +17,12 @@
 // never yield NaN or an infinity: arithmetic is checked (arith.go). A Pipeline is
 // plain data that round-trips through JSON unchanged: it is the workflow input
 // frozen in Temporal history, so it must never hold weights, rollouts or
-// secrets (secrets are named by environment variable, never stored).
+// secrets (secrets are named by environment variable, never stored). Its
+// JSON is a pipeline file's keys and values, which LoadJSON loads back.
 package pipelines
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"math"
@@ -42,7 +46,7 @@ type Pipeline struct {
 	// the file sets it.
 	BaseDir string `json:"base_dir,omitempty" yaml:"base_dir,omitempty"`
 	// Params are declared in file order; values are supplied at launch.
-	Params         []Param         `json:"params,omitempty" yaml:"-"`
+	Params         ParamList       `json:"params,omitempty" yaml:"-"`
 	Servers        []Server        `json:"servers,omitempty" yaml:"servers,omitempty"`
 	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty" yaml:"weight_transfer,omitempty"`
 	Loop           Loop            `json:"loop" yaml:"loop"`
@@ -71,6 +75,86 @@ type Param struct {
 	Default     any       `json:"default,omitempty"`
 	Required    bool      `json:"required,omitempty"`
 	Description string    `json:"description,omitempty"`
+}
+
+// ParamList is a pipeline's params in file order. Its JSON is the file's
+// form, a mapping from name to {type, default, required, description} in
+// that order, so that a Pipeline's JSON is a pipeline file written as JSON,
+// which LoadJSON reads back. It also decodes the list of {name, type, ...}
+// objects that rlflow wrote into workflow input before, so that histories
+// of runs started then still replay.
+type ParamList []Param
+
+// paramJSON is one param's value in the mapping.
+type paramJSON struct {
+	Type        ParamType `json:"type"`
+	Default     any       `json:"default,omitempty"`
+	Required    bool      `json:"required,omitempty"`
+	Description string    `json:"description,omitempty"`
+}
+
+// MarshalJSON writes the params as the file's mapping, in file order.
+func (l ParamList) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for i, p := range l {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		k, err := json.Marshal(p.Name)
+		if err != nil {
+			return nil, err
+		}
+		v, err := json.Marshal(paramJSON{Type: p.Type, Default: p.Default, Required: p.Required, Description: p.Description})
+		if err != nil {
+			return nil, fmt.Errorf("params.%s: %w", p.Name, err)
+		}
+		b.Write(k)
+		b.WriteByte(':')
+		b.Write(v)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
+
+// UnmarshalJSON reads the mapping, keeping its order, or the older list.
+// It trusts its input (a spec rlflow wrote); LoadJSON is the strict reader.
+func (l *ParamList) UnmarshalJSON(data []byte) error {
+	data = bytes.TrimSpace(data)
+	switch {
+	case string(data) == "null":
+		*l = nil
+		return nil
+	case len(data) > 0 && data[0] == '[':
+		var list []Param
+		if err := json.Unmarshal(data, &list); err != nil {
+			return err
+		}
+		*l = list
+		return nil
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return fmt.Errorf("params must be a mapping from param name to {type, default, required, description}")
+	}
+	out := ParamList{}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		name, _ := t.(string)
+		var v paramJSON
+		if err := dec.Decode(&v); err != nil {
+			return fmt.Errorf("params.%s: %w", clip(name), err)
+		}
+		out = append(out, Param{Name: name, Type: v.Type, Default: v.Default, Required: v.Required, Description: v.Description})
+	}
+	if _, err := dec.Token(); err != nil {
+		return err
+	}
+	*l = out
+	return nil
 }
 
 // Server is one vLLM instance. Control calls fan out to every server.
@@ -196,12 +280,12 @@ func ParseDuration(s string) (Duration, error) {
 	if err != nil {
 		if durationSyntaxRe.MatchString(strings.TrimLeft(s, "+-")) {
 			// Well formed, so it failed on int64 nanoseconds.
-			return 0, fmt.Errorf("duration %q is too long: the longest is %s", s, time.Duration(math.MaxInt64))
+			return 0, fmt.Errorf("duration %q is too long: the longest is %s", clip(s), time.Duration(math.MaxInt64))
 		}
-		return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 1h30m)", s)
+		return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 1h30m)", clip(s))
 	}
 	if v < 0 {
-		return 0, fmt.Errorf("duration %q must not be negative", s)
+		return 0, fmt.Errorf("duration %q must not be negative", clip(s))
 	}
 	return Duration(v), nil
 }

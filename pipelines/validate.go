@@ -22,7 +22,7 @@ func (l *loader) check(path string) {
 	if p.BaseDir == "" {
 		p.BaseDir = defaultBaseDir(path)
 	} else if !filepath.IsAbs(p.BaseDir) {
-		l.errPath("base_dir", "must be an absolute path, got %q (leave it out to use the file's directory)", clip(p.BaseDir))
+		l.errPath("base_dir", "must be an absolute path, got %q (a file's base_dir defaults to its directory)", clip(p.BaseDir))
 	}
 	for i, s := range p.Servers {
 		l.checkServer(s, indexPath("servers", i))
@@ -288,7 +288,7 @@ func (l *loader) checkNeeds(s *Step, path string, first map[string]int, ids []st
 		case n == s.ID:
 			l.errPath(p, "a step cannot need itself")
 		case seen[n]:
-			l.errPath(p, "%q is listed twice", n)
+			l.errPath(p, "%q is listed twice", clip(n))
 		case !known:
 			l.errPath(p, "unknown step %q%s", clip(n), didYouMean(n, ids))
 		}
@@ -317,7 +317,7 @@ func (l *loader) checkOutputs(s *Step, t *StepType, path string) {
 	l.uniqueStrings(s.Outputs, path+".outputs", "output")
 	for j, o := range s.Outputs {
 		if contains(t.Outputs, o) {
-			l.errPath(indexPath(path+".outputs", j), "%q is already an output of every %s step", o, t.Name)
+			l.errPath(indexPath(path+".outputs", j), "%q is already an output of every %s step", clip(o), t.Name)
 		}
 	}
 }
