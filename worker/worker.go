@@ -57,6 +57,7 @@ func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activ
 	// GPU worker, and reaching this one fails them with NoGPUWorker.
 	RegisterTransferActivities(r, a)
 	r.RegisterActivityWithOptions(a.LoadPipeline, activity.RegisterOptions{Name: workflows.LoadPipelineActivity})
+	r.RegisterActivityWithOptions(a.ValidateSpec, activity.RegisterOptions{Name: workflows.ValidateSpecActivity})
 }
 
 // TransferSteps are the init_transfer and broadcast activities.

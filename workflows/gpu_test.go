@@ -218,6 +218,7 @@ func TestGPUHostReusedAcrossIterations(t *testing.T) {
 	g2 := newFakeGPU(hostB)
 	g2.groups[hostA.TaskQueue] = true // the worker kept its group
 	env2 := newGPUEnv(t, newFake(), g2)
+	env2.SetContinuedExecutionRunID("run-1")
 	env2.ExecuteWorkflow(PipelineWorkflow, next)
 	require.NoError(t, env2.GetWorkflowError())
 	assert.Empty(t, g2.acquires)

@@ -35,6 +35,11 @@ type stepRun struct {
 // `always` step has finished. Cancellation cancels running steps, still runs
 // `always` steps, and ends the workflow cancelled.
 func RunIteration(ctx workflow.Context, in IterationInput) (*IterationResult, error) {
+	// Its spec is trusted because rlflow.Pipeline validated it; started
+	// any other way (the UI, a client), it would run an unchecked one.
+	if workflow.GetInfo(ctx).ParentWorkflowExecution == nil {
+		return nil, temporal.NewNonRetryableApplicationError(IterationWorkflow+" runs only as a child of "+PipelineWorkflow+"; start "+PipelineWorkflow, pipelines.ErrTypeBadInput, nil)
+	}
 	if in.Spec == nil {
 		return nil, temporal.NewNonRetryableApplicationError("iteration input has no spec", pipelines.ErrTypeBadInput, nil)
 	}

@@ -1,9 +1,9 @@
 package workflows
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	enumspb "go.temporal.io/api/enums/v1"
@@ -18,20 +18,24 @@ const RecentIterations = 10
 // RunPipeline runs a pipeline's loop: one RunIteration child workflow per
 // iteration, `until` checked after each, continue-as-new every
 // Loop.ContinueAsNewEvery iterations.
-func RunPipeline(ctx workflow.Context, in PipelineInput) (*PipelineResult, error) {
+//
+// Its input is a PipelineInput as JSON, taken raw so that RunPipeline, not
+// the SDK, decodes it: strictly, with errors that name the field
+// (validatedInput). Whoever starts the run (rlflow run, the Temporal UI, a
+// schedule) and after every continue-as-new, the spec is validated on the
+// worker by the loader of `rlflow validate` before anything runs, and the
+// pipeline that loader returns is the one the run uses.
+func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, error) {
 	logger := workflow.GetLogger(ctx)
-	if in.Spec == nil {
-		if in.SpecPath == "" {
-			return nil, temporal.NewNonRetryableApplicationError("pipeline input needs spec or spec_path", pipelines.ErrTypeBadInput, nil)
-		}
-		lctx := workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
-			StartToCloseTimeout: time.Minute,
-			RetryPolicy:         &temporal.RetryPolicy{MaximumAttempts: 3},
-		})
-		if err := workflow.ExecuteActivity(lctx, LoadPipelineActivity, in.SpecPath).Get(ctx, &in.Spec); err != nil {
-			return nil, fmt.Errorf("loading %s: %w", in.SpecPath, err)
-		}
-		in.SpecPath = ""
+	var in PipelineInput
+	var err error
+	if workflow.GetVersion(ctx, inputValidationChange, workflow.DefaultVersion, 1) == workflow.DefaultVersion {
+		in, err = trustedInput(ctx, raw)
+	} else {
+		in, err = validatedInput(ctx, raw)
+	}
+	if err != nil {
+		return nil, err
 	}
 	spec := in.Spec
 	params, err := spec.ResolveParamValues(in.Params)

@@ -27,6 +27,10 @@ import (
 //     timeout); both re-acquire. Re-record with:
 //     RLFLOW_RECORD_HISTORY=DIR go test ./e2e/ -run TestGPURoutingOnDevServer
 //     (then indent the JSON and update gpuRunID).
+//   - *_validated, *_refused: e2e TestHostileSpecInputs (input validation,
+//     validate-input version 1): an inline spec validated on the worker
+//     then run, and one refused (a self-cycle). Re-record with:
+//     RLFLOW_RECORD_HISTORY=DIR go test ./e2e/ -run TestHostileSpecInputs
 func TestReplayCheckedInHistories(t *testing.T) {
 	const runID = "until-threshold-20261202T142329-b136cd"
 	const gpuRunID = "gpu-routing-20261202T163032-374ee4"
@@ -39,6 +43,8 @@ func TestReplayCheckedInHistories(t *testing.T) {
 		"testdata/history_pipeline_gpu.json":                 gpuRunID,
 		"testdata/history_iteration_gpu_heartbeat_lost.json": gpuRunID + "/iter-1",
 		"testdata/history_iteration_gpu_schedule_lost.json":  gpuRunID + "/iter-2",
+		"testdata/history_pipeline_validated.json":           "hostile-spec-control",
+		"testdata/history_pipeline_refused.json":             "hostile-spec-self-cycle",
 	} {
 		t.Run(file, func(t *testing.T) {
 			f, err := os.Open(file)

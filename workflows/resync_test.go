@@ -119,6 +119,7 @@ func runWeights(t *testing.T, w *weightSteps, in IterationInput) (*IterationResu
 	for _, u := range []string{pipelines.StepGenerate, pipelines.StepEvaluate, pipelines.StepPause, pipelines.StepResume, pipelines.StepBroadcast} {
 		env.RegisterActivityWithOptions(w.activity(u), activity.RegisterOptions{Name: u})
 	}
+	useStartDoubles(env)
 	env.SetTestTimeout(30 * time.Second)
 	if in.Iteration == 0 {
 		in.Iteration = 1

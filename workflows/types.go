@@ -7,6 +7,12 @@
 // RunIteration runs one pass over the step DAG, calling activities by their
 // registered name (the step's `uses`).
 //
+// Every run validates its input on the worker before anything runs, however
+// it was started (rlflow run, the Temporal UI, a schedule) and again after
+// continue-as-new: RunPipeline decodes it strictly and has the spec checked
+// by the loader of `rlflow validate` (ValidateSpecActivity, or
+// LoadPipelineActivity for spec_path); RunIteration runs only as its child.
+//
 // Invariants: workflow code here never performs I/O, never reads the clock
 // or randomness except through the workflow API, and iterates maps only in
 // sorted order (make lint runs Temporal's workflowcheck on it). It imports
@@ -40,6 +46,12 @@ const (
 	// LoadPipelineActivity loads and validates a pipeline file on the worker,
 	// for runs started with a spec_path (from the Temporal UI, say).
 	LoadPipelineActivity = "load_pipeline"
+	// ValidateSpecActivity validates a pipeline given inline (spec) on the
+	// worker with the loader `rlflow validate` uses (pipelines.LoadJSON),
+	// for every run, whoever started it, and again after continue-as-new.
+	// It takes the spec's JSON text as []byte and returns the loaded
+	// *pipelines.Pipeline, or fails with a non-retryable BadInput.
+	ValidateSpecActivity = "validate_spec"
 
 	// DefaultTaskQueue is the control worker's task queue.
 	DefaultTaskQueue = "rlflow"
@@ -60,9 +72,18 @@ var SearchAttributeTypes = map[string]string{
 	"RlflowStatus":    "Keyword",
 }
 
-// PipelineInput starts a pipeline run. Exactly one of Spec or SpecPath is set
-// by a caller; the continue-as-new fields are rlflow's own.
+// PipelineInput starts a pipeline run: its JSON is the run's input, as the
+// Temporal UI's start form, a schedule or `rlflow run` gives it. Exactly
+// one of Spec or SpecPath is set by a caller; the continue-as-new fields
+// are rlflow's own, and a run that was not continued from another refuses
+// them. RunPipeline takes the input as JSON and decodes it strictly itself
+// (decodeInput): an unknown field or a value of the wrong type is a
+// non-retryable BadInput naming the field, and the spec, however it came,
+// is validated on the worker before anything runs.
 type PipelineInput struct {
+	// Spec is the pipeline as JSON: a pipeline file's keys and values
+	// (pipelines.LoadJSON), with base_dir required. A *pipelines.Pipeline
+	// encodes as exactly that.
 	Spec *pipelines.Pipeline `json:"spec,omitempty"`
 	// SpecPath is a pipeline file the worker can read; it is loaded once, by
 	// an activity, and frozen in history from then on.

@@ -125,6 +125,7 @@ func newEnv(t *testing.T, f *fakeSteps) *testsuite.TestWorkflowEnvironment {
 	env.RegisterWorkflowWithOptions(RunPipeline, workflow.RegisterOptions{Name: PipelineWorkflow})
 	env.RegisterWorkflowWithOptions(RunIteration, workflow.RegisterOptions{Name: IterationWorkflow})
 	env.RegisterActivityWithOptions(f.run, activity.RegisterOptions{Name: "step"})
+	useStartDoubles(env)
 	env.SetTestTimeout(30 * time.Second)
 	return env
 }
@@ -325,12 +326,14 @@ func TestPipelineContinuesAsNew(t *testing.T) {
 	// The continued run picks up at iteration 3 and finishes at 5.
 	f2 := newFake()
 	env2 := newEnv(t, f2)
+	env2.SetContinuedExecutionRunID("run-1")
 	env2.ExecuteWorkflow(PipelineWorkflow, next)
 	err = env2.GetWorkflowError()
 	require.True(t, errors.As(err, &can), "iterations 3-4 then continue again: %v", err)
 	require.NoError(t, decodeArg(can, &next))
 	assert.Equal(t, 5, next.NextIteration)
 	env3 := newEnv(t, newFake())
+	env3.SetContinuedExecutionRunID("run-2")
 	env3.ExecuteWorkflow(PipelineWorkflow, next)
 	require.NoError(t, env3.GetWorkflowError())
 	var res PipelineResult
