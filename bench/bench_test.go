@@ -54,6 +54,9 @@ func noop(id string, needs ...string) pipelines.Step {
 func (e *env) run(b *testing.B, p *pipelines.Pipeline) (time.Duration, string) {
 	b.Helper()
 	ctx := context.Background()
+	// A run's spec needs a base_dir (the worker validates it); noop
+	// steps read nothing from it.
+	p.BaseDir = b.TempDir()
 	start := time.Now()
 	run, err := runs.Start(ctx, e.c, runs.StartOptions{Spec: p, TaskQueue: e.queue})
 	if err != nil {

@@ -2,14 +2,17 @@
 // Temporal client: what the CLI's run/status/cancel/schedule commands do.
 //
 // Invariant: a run's spec is loaded and validated here, before anything is
-// sent to Temporal, and then travels frozen in the workflow input; the
-// worker never re-reads the file for that run.
+// sent to Temporal, and then travels frozen in the workflow input as JSON
+// (a pipeline file's keys); the worker never re-reads the file for that
+// run, and validates the JSON again, as it does for every run however
+// started, before anything runs.
 package runs
 
 import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -87,6 +90,12 @@ func Start(ctx context.Context, c client.Client, o StartOptions) (client.Workflo
 	if o.TaskQueue == "" {
 		o.TaskQueue = workflows.DefaultTaskQueue
 	}
+	// The worker validates the spec from its JSON before the run does
+	// anything; the same check here reports a spec that would not pass
+	// (one built in code without base_dir, say) before a run exists.
+	if err := checkSpecJSON(o.Spec); err != nil {
+		return nil, err
+	}
 	in := workflows.PipelineInput{Spec: o.Spec, Params: o.Params, SearchAttributes: o.SearchAttributes}
 	run, err := c.ExecuteWorkflow(ctx, client.StartWorkflowOptions{
 		ID:                       o.ID,
@@ -98,6 +107,19 @@ func Start(ctx context.Context, c client.Client, o StartOptions) (client.Workflo
 		return nil, fmt.Errorf("starting %s: %w", o.ID, err)
 	}
 	return run, nil
+}
+
+// checkSpecJSON checks spec as the worker will: its JSON, with the loader
+// of `rlflow validate` (pipelines.LoadJSON).
+func checkSpecJSON(spec *pipelines.Pipeline) error {
+	b, err := json.Marshal(spec)
+	if err != nil {
+		return fmt.Errorf("pipeline %s: encoding it as the run's input: %w", spec.Name, err)
+	}
+	if _, err := pipelines.LoadJSON(pipelines.InlineSpec, b); err != nil {
+		return fmt.Errorf("pipeline %s: as the run's input it would not validate on the worker:\n%w", spec.Name, err)
+	}
+	return nil
 }
 
 // UIURL returns the Temporal UI page of a run.
