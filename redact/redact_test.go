@@ -69,8 +69,11 @@ func TestAddRefusesShortSecrets(t *testing.T) {
 	if m.Add("1234567") {
 		t.Fatal("Add took a 7-byte secret")
 	}
-	if !m.Add("12345678") || !m.Add("12345678") {
+	if !m.Add("12345678") {
 		t.Fatal("Add refused an 8-byte secret")
+	}
+	if !m.Add("12345678") {
+		t.Fatal("Add refused an 8-byte secret it already holds")
 	}
 	if m.Len() != 1 {
 		t.Fatalf("Len = %d, want 1", m.Len())
