@@ -30,8 +30,8 @@ var layers = [][]string{
 	// the staging pipeline, the vLLM double and its trainer.
 	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain"},
 	// The activities, the NCCL engine (GPU workers only), run control, the
-	// dev server.
-	{"activities", "transfer/ncclengine", "runs", "devserver"},
+	// dev server, run reports.
+	{"activities", "transfer/ncclengine", "runs", "devserver", "report"},
 	// The control worker.
 	{"worker"},
 	// The GPU worker, test support over everything.
