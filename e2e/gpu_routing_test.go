@@ -123,9 +123,15 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 	release := make(chan struct{})
 	w, err := worker.NewControl(c, worker.Options{TaskQueue: queue, Deps: activities.Deps{LogDir: t.TempDir()}})
 	require.NoError(t, err)
-	// gate holds iteration 2 until the test has replaced the GPU worker.
+	// The gate step holds iteration 2 until the test has replaced the GPU
+	// worker. It is a noop step to the pipeline (a run's spec is validated,
+	// so it names only real step types); this worker's noop is the test's.
 	w.RegisterActivityWithOptions(func(ctx context.Context, in map[string]any) (map[string]any, error) {
-		iter := int(in[pipelines.ContextArg].(map[string]any)["iteration"].(float64))
+		sc := in[pipelines.ContextArg].(map[string]any)
+		if sc["step_id"] != "gate" {
+			return map[string]any{}, nil
+		}
+		iter := int(sc["iteration"].(float64))
 		gateCalls <- iter
 		if iter == 2 {
 			select {
@@ -135,17 +141,19 @@ func TestGPURoutingOnDevServer(t *testing.T) {
 			}
 		}
 		return map[string]any{}, nil
-	}, activity.RegisterOptions{Name: "gate"})
+	}, activity.RegisterOptions{Name: pipelines.StepNoop, DisableAlreadyRegisteredCheck: true})
 	require.NoError(t, w.Start())
 	defer w.Stop()
 
 	retry := &pipelines.RetryPolicy{MaxAttempts: 3, InitialInterval: pipelines.Duration(100 * time.Millisecond)}
 	spec := &pipelines.Pipeline{
-		Version: 1, Name: "gpu-routing", Loop: pipelines.Loop{Iterations: 2},
+		Version: 1, Name: "gpu-routing", Loop: pipelines.Loop{Iterations: 2}, BaseDir: t.TempDir(),
+		// The simulated GPU workers never call the server.
+		Servers:        []pipelines.Server{{URL: "http://127.0.0.1:9"}},
 		WeightTransfer: &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL, GPUStartTimeout: pipelines.Duration(time.Second)},
 		Defaults:       pipelines.StepDefaults{Timeout: pipelines.Duration(time.Minute), Heartbeat: pipelines.Duration(time.Second), Retry: retry},
 		Steps: []pipelines.Step{
-			{ID: "gate", Uses: "gate"},
+			{ID: "gate", Uses: pipelines.StepNoop},
 			{ID: "sync", Uses: pipelines.StepBroadcast, Needs: []string{"gate"}, With: map[string]any{"checkpoint": "/ckpt"}},
 			{ID: "after", Uses: pipelines.StepNoop, Needs: []string{"sync"}},
 		},
