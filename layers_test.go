@@ -27,8 +27,9 @@ var layers = [][]string{
 	// model.
 	{"pipelines", "nccl/plan", "nccl/nccltest", "gpuhealth/gpuhealthtest", "vllm/double/bigram"},
 	// The interpreter, the weight-transfer contract with the disk backend,
-	// the staging pipeline, the vLLM double and its trainer.
-	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain"},
+	// the staging pipeline, the vLLM double and its trainer, the workers'
+	// metrics (which the activities record into).
+	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain", "metrics"},
 	// The activities, the NCCL engine (GPU workers only), run control, the
 	// dev server, run reports.
 	{"activities", "transfer/ncclengine", "runs", "devserver", "report"},

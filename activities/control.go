@@ -3,6 +3,7 @@ package activities
 import (
 	"context"
 
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 )
@@ -75,6 +76,7 @@ func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, 
 	if err := f.PauseAll(ctx, in.Mode); err != nil {
 		return nil, serverError(ctx, err, "pause (mode %s)", in.Mode)
 	}
+	metrics.From(ctx).SetPaused(fleetURLs(f), true)
 	return &ServersOutput{Servers: len(f), Attempt: attemptOf(ctx)}, nil
 }
 
@@ -87,6 +89,7 @@ func (a *Activities) Resume(ctx context.Context, in ControlInput) (*ServersOutpu
 	if err := f.ResumeAll(ctx); err != nil {
 		return nil, serverError(ctx, err, "resume")
 	}
+	metrics.From(ctx).SetPaused(fleetURLs(f), false)
 	return &ServersOutput{Servers: len(f), Attempt: attemptOf(ctx)}, nil
 }
 
@@ -133,4 +136,13 @@ func (a *Activities) controlFleet(ctx context.Context, step string, in *ControlI
 		return nil, err
 	}
 	return a.fleet(ctx, step, in.Context, vllm.Timeouts{Control: in.Timeout.D()})
+}
+
+// fleetURLs are the servers' URLs in fleet order.
+func fleetURLs(f vllm.Fleet) []string {
+	urls := make([]string, len(f))
+	for i, c := range f {
+		urls[i] = c.URL()
+	}
+	return urls
 }

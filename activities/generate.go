@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 	"go.temporal.io/sdk/activity"
@@ -129,6 +130,7 @@ func (a *Activities) Generate(ctx context.Context, in GenerateInput) (*GenerateO
 	if err != nil {
 		return nil, err
 	}
+	metrics.From(ctx).ObserveGenerate(in.Context.Pipeline, res.completionTokens, res.tokensPerS)
 	return &GenerateOutput{Path: res.path, Prompts: res.prompts, Samples: res.samples, CompletionTokens: res.completionTokens,
 		TokensPerS: res.tokensPerS, WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Resumed: res.resumed,
 		Attempt: attemptOf(ctx)}, nil

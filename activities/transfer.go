@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"time"
 
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/vllm"
@@ -72,11 +74,13 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 	}
 	var progress transfer.Progress
 	defer a.reportTransfer(ctx, &progress)()
+	start := time.Now()
 	res, err := engine.Init(ctx, transfer.InitRequest{Target: target, MasterAddress: in.MasterAddress, MasterPort: in.MasterPort,
 		Timeout: in.Timeout.D(), Progress: &progress})
 	if err != nil {
 		return nil, transferError(ctx, step, err)
 	}
+	metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, time.Since(start).Seconds(), 0)
 	return &InitTransferOutput{WorldSize: res.WorldSize, Backend: backend, Group: res.Group, Attempt: attemptOf(ctx)}, nil
 }
 
@@ -113,12 +117,19 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	}
 	var progress transfer.Progress
 	stop := a.reportTransfer(ctx, &progress)
+	start := time.Now()
 	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
 		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Progress: &progress})
 	stop()
 	if err != nil {
 		return nil, transferError(ctx, step, err)
 	}
+	if res.Initialized {
+		// The engine times the update alone; the rest of the call was the
+		// group's (re)initialisation.
+		metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, (time.Since(start) - res.Elapsed).Seconds(), 0)
+	}
+	metrics.From(ctx).ObserveSync(backend, metrics.PhaseUpdate, res.Elapsed.Seconds(), res.Bytes)
 	if sc.FleetPaused {
 		// A server restarted during the update came back unpaused, on its
 		// base weights: the update did not reach what now serves.

@@ -109,6 +109,9 @@ type DialOptions struct {
 	Backoff Backoff
 	// MaxWait bounds the wait for the frontend; 0 waits until ctx ends.
 	MaxWait time.Duration
+	// MetricsHandler receives the SDK's metrics (a worker's
+	// metrics.Metrics.SDKHandler); nil drops them.
+	MetricsHandler client.MetricsHandler
 }
 
 // workerBackoff is how a worker waits for its frontend: quickly at first
@@ -145,6 +148,7 @@ func Dial(ctx context.Context, o DialOptions) (client.Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", o.Address, o.Namespace, err)
 	}
+	opts.MetricsHandler = o.MetricsHandler
 	start := time.Now()
 	var c client.Client
 	failed := 0

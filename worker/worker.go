@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 
 	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/workflows"
 	"go.temporal.io/sdk/activity"
@@ -34,6 +35,8 @@ type Options struct {
 	// namespace was deleted, its credentials refused): it no longer polls,
 	// so the process should exit rather than look alive.
 	OnFatalError func(error)
+	// Metrics observe every step this worker runs (nil: none).
+	Metrics *metrics.Metrics
 }
 
 // RegisterWorkflows registers the interpreter's workflows.
@@ -89,8 +92,9 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	acts := activities.New(opts.Deps)
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
-		// The activities' secrets are masked in all they report.
-		Interceptors: []interceptor.WorkerInterceptor{acts.Interceptor()},
+		// The activities' secrets are masked in all they report; the
+		// metrics see each step inside the masking.
+		Interceptors: []interceptor.WorkerInterceptor{acts.Interceptor(), opts.Metrics.Interceptor()},
 		// More pollers than the SDK's 2, so a wide fan-out of steps is
 		// dispatched at once instead of two at a time (see bench/).
 		MaxConcurrentActivityTaskPollers: 32,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -25,7 +26,7 @@ func newDevCmd(g *globalFlags) *cobra.Command {
 	var params []string
 	var uiPort int
 	var exit, noBuild, useDouble bool
-	var temporalPath, stateDir, example, roots string
+	var temporalPath, stateDir, example, roots, metricsAddr string
 	cmd := &cobra.Command{
 		Use:   "dev [FILE]",
 		Short: "All in one: local Temporal dev server + UI, a worker, a vLLM double, and the RLHF demo",
@@ -122,7 +123,15 @@ UI cannot reach the rest of the machine through a path.`,
 				return err
 			}
 			defer c.Close()
-			w, err := worker.NewControl(c, worker.Options{TaskQueue: g.taskQueue,
+			m, metricsURL, stopMetrics, err := startMetrics(metricsAddr, slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+			if err != nil {
+				return err
+			}
+			defer stopMetrics()
+			if m != nil {
+				fmt.Fprintf(out, "worker metrics (Prometheus) at %s\n", metricsURL)
+			}
+			w, err := worker.NewControl(c, worker.Options{TaskQueue: g.taskQueue, Metrics: m,
 				Deps: activities.Deps{LogDir: filepath.Join(state, "logs"), DataDir: filepath.Join(state, "data"), Roots: r}})
 			if err != nil {
 				return err
@@ -154,6 +163,8 @@ UI cannot reach the rest of the machine through a path.`,
 	f.StringVar(&stateDir, "state-dir", ".rlflow", "directory for the dev server's database, step logs and the example's work files")
 	f.StringVar(&example, "example", defaultDevExample, "embedded example to run without FILE: "+strings.Join(exampleNames(), ", "))
 	addRootsFlag(cmd, &roots, "FILE's directory")
+	// A free loopback port: a dev run beside a worker on 9464 still starts.
+	addMetricsFlag(cmd, &metricsAddr, envOr("RLFLOW_METRICS_ADDRESS", "127.0.0.1:0"))
 	f.BoolVar(&useDouble, "vllm-double", false, "serve the pipeline's servers with in-process vLLM test doubles (default: on for embedded examples with servers)")
 	return cmd
 }

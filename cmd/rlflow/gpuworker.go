@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/worker/gpuworker"
@@ -57,17 +58,17 @@ func envInt(key string, def int) (int, error) {
 	return v, nil
 }
 
-func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFlags, roots *activities.Roots, log *slog.Logger) error {
+func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFlags, roots *activities.Roots, m *metrics.Metrics, log *slog.Logger) error {
 	if f.envErr != nil {
 		return f.envErr
 	}
-	c, err := dialWorker(ctx, g, cf, log)
+	c, err := dialWorker(ctx, g, cf, m, log)
 	if err != nil || c == nil {
 		return err
 	}
 	defer c.Close()
 	w, err := gpuworker.New(c, gpuworker.Options{SharedQueue: f.queue, Device: f.device, Advertise: f.advertise,
-		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Roots: roots, Log: log})
+		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Roots: roots, Log: log, Metrics: m})
 	if err != nil {
 		return err
 	}

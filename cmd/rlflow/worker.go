@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/rlflow/rlflow/activities"
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
@@ -18,7 +20,7 @@ import (
 )
 
 func newWorkerCmd(g *globalFlags) *cobra.Command {
-	var logDir, dataDir, roots string
+	var logDir, dataDir, roots, metricsAddr string
 	var maxActivities int
 	var execEnv string
 	var gf gpuFlags
@@ -64,12 +66,26 @@ the worker's log.`,
 				return err
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+			m, metricsURL, stopMetrics, err := startMetrics(metricsAddr, log)
+			if err != nil && metricsAddr == defaultMetricsAddress && !cmd.Flags().Changed("metrics-address") {
+				// Only the default: a second worker on the host finds it
+				// taken, and must still run; an address asked for fails.
+				log.Warn("serving no metrics: the default metrics address is taken (another worker on this host?); pass --metrics-address host:port, or empty to disable", "err", err)
+				m, stopMetrics, err = nil, func() {}, nil
+			}
+			if err != nil {
+				return err
+			}
+			defer stopMetrics()
+			if m != nil {
+				log.Info("serving metrics", "url", metricsURL)
+			}
 			if gf.enabled {
 				r, err := workerRoots(roots)
 				if err != nil {
 					return err
 				}
-				return runGPUWorker(ctx, g, gf, cf, r, log)
+				return runGPUWorker(ctx, g, gf, cf, r, m, log)
 			}
 			if gf.fakeNCCL {
 				return errors.New("--fake-nccl needs --gpu")
@@ -90,7 +106,7 @@ the worker's log.`,
 			if err != nil {
 				return fmt.Errorf("--exec-env (env RLFLOW_EXEC_ENV): %w", err)
 			}
-			c, err := dialWorker(ctx, g, cf, log)
+			c, err := dialWorker(ctx, g, cf, m, log)
 			if err != nil || c == nil {
 				return err
 			}
@@ -98,6 +114,7 @@ the worker's log.`,
 			fatal := make(chan error, 1)
 			w, err := worker.NewControl(c, worker.Options{
 				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data, Roots: r, ExecEnv: execMode}, MaxConcurrentActivities: maxActivities,
+				Metrics: m,
 				OnFatalError: func(err error) {
 					select {
 					case fatal <- err:
@@ -131,9 +148,40 @@ the worker's log.`,
 	cmd.Flags().IntVar(&maxActivities, "max-concurrent-steps", 0, "steps this worker runs at once (0 = Temporal's default)")
 	cmd.Flags().StringVar(&execEnv, "exec-env", envOr("RLFLOW_EXEC_ENV", string(activities.ExecEnvMinimal)),
 		"environment of exec commands: minimal (PATH, HOME, locale, CUDA/NVIDIA/NCCL variables, and the secrets a step names) or inherit (the worker's whole environment) (env RLFLOW_EXEC_ENV)")
+	addMetricsFlag(cmd, &metricsAddr, envOr("RLFLOW_METRICS_ADDRESS", defaultMetricsAddress))
 	gf.register(cmd)
 	cf.register(cmd)
 	return cmd
+}
+
+// defaultMetricsAddress is where a worker serves Prometheus metrics unless
+// told otherwise: loopback, so nothing is exposed beyond the host by
+// default (9464 is the port OpenTelemetry's Prometheus exporter uses).
+const defaultMetricsAddress = "127.0.0.1:9464"
+
+// addMetricsFlag registers --metrics-address on cmd with default def.
+func addMetricsFlag(cmd *cobra.Command, v *string, def string) {
+	cmd.Flags().StringVar(v, "metrics-address", def,
+		"host:port to serve Prometheus metrics on at "+metrics.Path+" (rlflow_* step and sync metrics, the Temporal SDK's temporal_*); empty disables (env RLFLOW_METRICS_ADDRESS)")
+}
+
+// startMetrics serves a worker's metrics on addr, or returns nil metrics
+// (recording nothing) when addr is empty; url is where they are served,
+// stop closes the server.
+func startMetrics(addr string, log *slog.Logger) (m *metrics.Metrics, url string, stop func(), err error) {
+	addr = strings.TrimSpace(addr)
+	if addr == "" {
+		return nil, "", func() {}, nil
+	}
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return nil, "", nil, fmt.Errorf("--metrics-address (env RLFLOW_METRICS_ADDRESS) %q: want host:port such as 127.0.0.1:9464, or empty to disable: %v", addr, err)
+	}
+	m = metrics.New()
+	srv, err := m.Serve(addr, log)
+	if err != nil {
+		return nil, "", nil, fmt.Errorf("--metrics-address (env RLFLOW_METRICS_ADDRESS): %w", err)
+	}
+	return m, srv.URL(), func() { srv.Close() }, nil
 }
 
 // addRootsFlag registers --roots (env RLFLOW_ROOTS) on cmd.
@@ -204,8 +252,8 @@ func (f connectFlags) check() error {
 // dialWorker connects a worker, waiting for Temporal; stopped (Ctrl-C)
 // while it waits, it returns neither client nor error: the worker was
 // asked to stop, and does.
-func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, log *slog.Logger) (client.Client, error) {
-	c, err := g.dial(ctx, runs.DialOptions{Log: log, MaxWait: f.timeout})
+func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, m *metrics.Metrics, log *slog.Logger) (client.Client, error) {
+	c, err := g.dial(ctx, runs.DialOptions{Log: log, MaxWait: f.timeout, MetricsHandler: m.SDKHandler()})
 	if err != nil && ctx.Err() != nil {
 		log.Info("stopped while waiting for temporal", "address", g.address)
 		return nil, nil

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/gpuhealth"
+	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/pipelines"
@@ -74,6 +75,8 @@ type Options struct {
 	Roots *activities.Roots
 	// Log receives start-up warnings and facts (default: discarded).
 	Log *slog.Logger
+	// Metrics observe the transfer steps and acquires (nil: none).
+	Metrics *metrics.Metrics
 }
 
 // GPU is a GPU worker: two Temporal workers in one process and the
@@ -135,12 +138,13 @@ func New(c client.Client, opts Options) (*GPU, error) {
 		// One communicator, one transfer at a time: a second broadcast
 		// would interleave its collectives with the first's.
 		MaxConcurrentActivityExecutionSize: 1,
-		// The API keys are masked in all the steps report.
-		Interceptors: []interceptor.WorkerInterceptor{steps.Interceptor()},
+		// The API keys are masked in all the steps report; the metrics
+		// see each step inside the masking.
+		Interceptors: []interceptor.WorkerInterceptor{steps.Interceptor(), opts.Metrics.Interceptor()},
 	})
 	worker.RegisterTransferActivities(g.Host, steps)
 
-	g.Shared = sdkworker.New(c, opts.SharedQueue, sdkworker.Options{})
+	g.Shared = sdkworker.New(c, opts.SharedQueue, sdkworker.Options{Interceptors: []interceptor.WorkerInterceptor{opts.Metrics.Interceptor()}})
 	g.Shared.RegisterActivityWithOptions(g.Acquire, activity.RegisterOptions{Name: workflows.AcquireGPUActivity})
 	return g, nil
 }
