@@ -32,7 +32,7 @@ func Collect(ctx context.Context, c client.Client, workflowID string, dc convert
 		dc = converter.GetDefaultDataConverter()
 	}
 	h := historyReader{c: c, dc: dc}
-	desc, err := c.DescribeWorkflowExecution(ctx, workflowID, "")
+	described, err := c.DescribeWorkflow(ctx, workflowID, "")
 	if err != nil {
 		var nf *serviceerror.NotFound
 		if errors.As(err, &nf) {
@@ -40,7 +40,7 @@ func Collect(ctx context.Context, c client.Client, workflowID string, dc convert
 		}
 		return nil, fmt.Errorf("describing %s: %w", workflowID, err)
 	}
-	info := desc.GetWorkflowExecutionInfo()
+	info := described.RawResponse.GetWorkflowExecutionInfo()
 	if t := info.GetType().GetName(); t != workflows.PipelineWorkflow {
 		return nil, fmt.Errorf("%s is a %s workflow, not a pipeline run (%s)", workflowID, t, workflows.PipelineWorkflow)
 	}
