@@ -2,10 +2,13 @@ package runs
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sort"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -36,10 +39,25 @@ type RunStatus struct {
 	Steps      []StepView         `json:"steps,omitempty"`
 	// ProgressErr is set when the workflow could not be queried (no worker).
 	ProgressErr string `json:"progress_error,omitempty"`
+	// Failure is why a closed run did not succeed (failed, cancelled,
+	// terminated, timed out); nil for a running or completed one.
+	Failure *Failure `json:"failure,omitempty"`
+	// Iterations are the finished iterations' outputs, oldest first, when
+	// FillIterations was asked for them: every one up to IterationsDone,
+	// each read from its iteration workflow's result.
+	Iterations []workflows.IterationSummary `json:"iterations,omitempty"`
+	// IterationsErr says which iterations' results could not be read.
+	IterationsErr string `json:"iterations_error,omitempty"`
 }
 
 // Done reports whether the run has closed.
 func (s *RunStatus) Done() bool { return s.Execution != "" && s.Execution != "Running" }
+
+// Unsuccessful reports whether the run closed without succeeding: failed,
+// cancelled, terminated or timed out.
+func (s *RunStatus) Unsuccessful() bool {
+	return s.Done() && s.Execution != "Completed" && s.Execution != "ContinuedAsNew"
+}
 
 // GetStatus collects a run's status; runID may be empty (latest run). It
 // asks Temporal once: an unreachable frontend is an error.
@@ -81,6 +99,19 @@ func getStatus(ctx context.Context, c client.Client, workflowID, runID string, c
 		WorkflowID: workflowID,
 		RunID:      info.GetExecution().GetRunId(),
 		Execution:  executionName(info.GetStatus()),
+	}
+	if st.Unsuccessful() {
+		// A closed run's error is in its close event: no worker needed.
+		defer func() {
+			runErr := call(ctx, func(ctx context.Context) error {
+				return c.GetWorkflow(ctx, workflowID, st.RunID).Get(ctx, nil)
+			})
+			if runErr == nil {
+				return
+			}
+			f := runFailure(st, runErr)
+			st.Failure = &f
+		}()
 	}
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
@@ -140,19 +171,34 @@ func executionName(s enumspb.WorkflowExecutionStatus) string {
 	return strings.TrimPrefix(name, "WorkflowExecutionStatus")
 }
 
-// PrintStatus writes a human-readable status.
+// PrintStatus writes a human-readable status: metrics whole, floats
+// rounded to 6 significant digits, and a failure's log tail in full.
 func PrintStatus(w io.Writer, st *RunStatus) {
 	p := st.Progress
 	fmt.Fprintf(w, "run:        %s (%s)\n", st.WorkflowID, st.RunID)
 	fmt.Fprintf(w, "execution:  %s\n", st.Execution)
+	if st.Failure != nil {
+		fmt.Fprintf(w, "error:      %s\n", st.Failure)
+	}
 	if st.ProgressErr != "" {
 		fmt.Fprintf(w, "progress:   unavailable: %s\n", st.ProgressErr)
 		return
 	}
 	fmt.Fprintf(w, "pipeline:   %s\n", p.Pipeline)
 	fmt.Fprintf(w, "iteration:  %d (%d done)%s\n", p.Iteration, p.IterationsDone, map[bool]string{true: ", PAUSED", false: ""}[p.Paused])
-	if p.LastError != "" {
-		fmt.Fprintf(w, "last error: %s\n", firstLine(p.LastError))
+	if p.LastError != "" && st.Failure == nil {
+		fmt.Fprintf(w, "last error: %s\n", splitMessage(p.LastError))
+	}
+	if len(st.Iterations) > 0 {
+		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+		fmt.Fprintf(tw, "ITERATION\tSTATUS\tOUTPUTS\n")
+		for _, it := range st.Iterations {
+			fmt.Fprintf(tw, "%d\t%s\t%s\n", it.Iteration, it.Status, formatStepOutputs(it.Outputs))
+		}
+		tw.Flush()
+	}
+	if st.IterationsErr != "" {
+		fmt.Fprintf(w, "iterations: %s\n", st.IterationsErr)
 	}
 	if len(st.Steps) == 0 {
 		return
@@ -163,9 +209,9 @@ func PrintStatus(w io.Writer, st *RunStatus) {
 		detail := s.Reason
 		switch {
 		case s.LastFailure != "":
-			detail = "last failure: " + firstLine(s.LastFailure)
+			detail = "last failure: " + splitMessage(s.LastFailure).Sentence
 		case s.Error != "":
-			detail = firstLine(s.Error)
+			detail = splitMessage(s.Error).Sentence
 		case s.Status == workflows.StatusSucceeded:
 			detail = formatOutputs(s.Outputs)
 		}
@@ -176,11 +222,13 @@ func PrintStatus(w io.Writer, st *RunStatus) {
 		if s.Attempts > 0 {
 			att = fmt.Sprint(s.Attempts)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", s.ID, s.Uses, s.Status, att, truncate(detail, 100))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", s.ID, s.Uses, s.Status, att, detail)
 	}
 	tw.Flush()
 }
 
+// formatOutputs is a step's outputs as "k=v ..." sorted by key, every one,
+// without the log path.
 func formatOutputs(m map[string]any) string {
 	ks := make([]string, 0, len(m))
 	for k := range m {
@@ -191,9 +239,61 @@ func formatOutputs(m map[string]any) string {
 	sort.Strings(ks)
 	parts := make([]string, 0, len(ks))
 	for _, k := range ks {
-		parts = append(parts, fmt.Sprintf("%s=%v", k, m[k]))
+		parts = append(parts, k+"="+FormatValue(m[k]))
 	}
 	return strings.Join(parts, " ")
+}
+
+// formatStepOutputs is an iteration's outputs as "step.k=v ...", steps in
+// name order.
+func formatStepOutputs(m map[string]map[string]any) string {
+	ids := make([]string, 0, len(m))
+	for id := range m {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	var parts []string
+	for _, id := range ids {
+		ks := make([]string, 0, len(m[id]))
+		for k := range m[id] {
+			if k != "log" {
+				ks = append(ks, k)
+			}
+		}
+		sort.Strings(ks)
+		for _, k := range ks {
+			parts = append(parts, id+"."+k+"="+FormatValue(m[id][k]))
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+// FormatValue prints an output value for people: a whole number as one
+// (JSON makes every number a float64), any other float rounded to 6
+// significant digits (0.6000000000000001 is 0.6), the rest as JSON.
+func FormatValue(v any) string {
+	switch v := v.(type) {
+	case float64:
+		return formatFloat(v, 64)
+	case float32:
+		return formatFloat(float64(v), 32)
+	case string:
+		return v
+	case nil:
+		return "null"
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Sprint(v)
+	}
+	return string(b)
+}
+
+func formatFloat(v float64, bits int) string {
+	if v == math.Trunc(v) && math.Abs(v) < 1e15 {
+		return strconv.FormatFloat(v, 'f', -1, bits)
+	}
+	return strconv.FormatFloat(v, 'g', 6, bits)
 }
 
 func firstLine(s string) string {
@@ -201,13 +301,6 @@ func firstLine(s string) string {
 		return s[:i]
 	}
 	return s
-}
-
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n-3] + "..."
 }
 
 // failureMessage is a failure's message, decrypted when the payload codec is
@@ -218,4 +311,13 @@ func failureMessage(f *failurepb.Failure) string {
 		converter.DecodeCommonFailureAttributes(dc, f)
 	}
 	return f.GetMessage()
+}
+
+// truncate cuts s to n bytes with "..." (network reasons only: outputs
+// and failures are printed whole).
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/schollz/progressbar/v3"
+	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 )
 
@@ -27,12 +28,25 @@ type WatchOptions struct {
 	// order, with the iteration's result (every step's outputs) as soon as
 	// the watch sees it done.
 	OnIteration func(workflows.IterationResult)
+	// NoWorkerAfter is how long the run may go without a worker on its
+	// task queue before Watch says so (once; it keeps waiting). 0 means
+	// DefaultNoWorkerAfter.
+	NoWorkerAfter time.Duration
 }
+
+// DefaultNoWorkerAfter is WatchOptions.NoWorkerAfter's default: long
+// enough for a worker started with the run to poll, short enough that a
+// user does not stare at a silent terminal.
+const DefaultNoWorkerAfter = 5 * time.Second
 
 // Watch prints step transitions of a run as they happen and returns the
 // run's result once it closes. It follows continue-as-new. It waits out
 // Temporal outages of any length, saying when one starts and ends: only
 // the run's outcome, an error the server answers, or ctx ending stop it.
+// Every iteration gets its header, then its steps' final lines, in order,
+// however fast iterations pass; outputs are printed whole. A run that did
+// not succeed is a *RunError. When no worker polls the run's task queue
+// after NoWorkerAfter, it says so once.
 func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o WatchOptions) (*workflows.PipelineResult, error) {
 	if o.Interval <= 0 {
 		o.Interval = 300 * time.Millisecond
@@ -44,7 +58,7 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 			total = -1
 		}
 		bar = progressbar.NewOptions(total, progressbar.OptionSetWriter(o.Bar), progressbar.OptionSetDescription("iterations"),
-			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish())
+			progressbar.OptionShowCount())
 	}
 	var sayMu sync.Mutex // the run's Get waits out outages on its own goroutine
 	say := func(format string, args ...any) {
@@ -59,6 +73,13 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		}
 	}
 	out := newOutages(o.Address, func(line string) { say("%s", line) })
+	stopWorkerCheck := make(chan struct{})
+	defer close(stopWorkerCheck)
+	after := o.NoWorkerAfter
+	if after <= 0 {
+		after = DefaultNoWorkerAfter
+	}
+	go reportNoWorker(ctx, c, run.GetID(), after, stopWorkerCheck, func(line string) { say("%s", line) })
 	done := make(chan struct{})
 	var res workflows.PipelineResult
 	var runErr error
@@ -70,7 +91,13 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		close(done)
 	}()
 	seen := map[string]string{}
-	lastIter, lastDone, reported := 0, 0, 0
+	headed, reported := 0, 0
+	// header prints iteration n's header once, after every earlier one.
+	header := func(n int) {
+		for ; headed < n; headed++ {
+			say("iteration %d  (%s)", headed+1, workflows.IterationWorkflowID(run.GetID(), headed+1))
+		}
+	}
 	// show prints a step's line when its state changed since the last one.
 	show := func(iter int, s workflows.StepResult, lastFailure string) {
 		key := fmt.Sprintf("%d/%s", iter, s.ID)
@@ -85,14 +112,14 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 		line := fmt.Sprintf("  %-14s %-10s %s", s.ID, s.Uses, state)
 		switch {
 		case lastFailure != "" && s.Status == workflows.StatusRunning:
-			line += "  last failure: " + firstLine(lastFailure)
+			line += "  last failure: " + splitMessage(lastFailure).Sentence
 		case s.Status == workflows.StatusFailed:
-			line += "  " + firstLine(s.Error)
+			line += "  " + splitMessage(s.Error).Sentence
 		case s.Status == workflows.StatusSkipped:
 			line += "  (" + s.Reason + ")"
 		case s.Status == workflows.StatusSucceeded:
 			if outs := formatOutputs(s.Outputs); outs != "" {
-				line += "  " + truncate(outs, 120)
+				line += "  " + outs
 			}
 		}
 		say("%s", line)
@@ -109,11 +136,18 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 				if ctx.Err() != nil {
 					return
 				}
-				say("  (iteration %d result unavailable: %v)", reported+1, err)
+				header(reported + 1)
+				say("  (iteration %d result unavailable: %s)", reported+1, ExplainError(err).Sentence)
 				continue
 			}
+			header(ir.Iteration)
 			for _, s := range ir.Steps {
 				show(ir.Iteration, s, "")
+			}
+			if bar != nil {
+				sayMu.Lock()
+				_ = bar.Set(reported + 1)
+				sayMu.Unlock()
 			}
 			if o.OnIteration == nil {
 				continue
@@ -129,45 +163,108 @@ func Watch(ctx context.Context, c client.Client, run client.WorkflowRun, o Watch
 	}
 	t := time.NewTicker(o.Interval)
 	defer t.Stop()
-	poll := func() {
+	// poll prints what changed and returns the status it saw (nil when
+	// none).
+	poll := func() *RunStatus {
 		st, err := getStatus(ctx, c, run.GetID(), "", out.do)
-		if err != nil || st.ProgressErr != "" {
-			return
+		if err != nil {
+			return nil
+		}
+		if st.ProgressErr != "" {
+			return st
 		}
 		p := st.Progress
-		report(p.IterationsDone) // before the next iteration's header
-		if p.Iteration != lastIter && p.Iteration > 0 {
-			lastIter = p.Iteration
-			say("iteration %d  (%s)", p.Iteration, p.Child)
-		}
-		if p.IterationsDone != lastDone {
-			lastDone = p.IterationsDone
-			if bar != nil {
-				sayMu.Lock()
-				_ = bar.Set(lastDone)
-				sayMu.Unlock()
-			}
+		// Iterations run one at a time: every one before the running one
+		// is done, even when IterationsDone (reset by continue-as-new)
+		// does not say so yet. Their lines come before the next header.
+		report(max(p.IterationsDone, p.Iteration-1))
+		if p.Iteration > 0 {
+			header(p.Iteration)
 		}
 		for _, s := range st.Steps {
 			show(p.Iteration, s.StepResult, s.LastFailure)
 		}
+		return st
 	}
 	for {
 		select {
 		case <-done:
-			poll()
-			if bar != nil {
-				_ = bar.Finish()
-			}
+			st := poll()
 			if runErr != nil {
-				return nil, runErr
+				endBar(bar, o.Bar, &sayMu, 0)
+				if ctx.Err() != nil {
+					return nil, runErr
+				}
+				return nil, &RunError{WorkflowID: run.GetID(), Failure: runFailure(st, runErr), Err: runErr}
 			}
 			report(res.Iterations)
+			endBar(bar, o.Bar, &sayMu, res.Iterations)
 			return &res, nil
 		case <-t.C:
 			poll()
 		case <-ctx.Done():
+			endBar(bar, o.Bar, &sayMu, 0)
 			return nil, ctx.Err()
 		}
 	}
+}
+
+// endBar leaves the bar on its own line: full at done iterations when the
+// run succeeded (an until loop stops short of its max_iterations, and the
+// bar's total becomes what ran), as it was otherwise.
+func endBar(bar *progressbar.ProgressBar, w io.Writer, mu *sync.Mutex, done int) {
+	if bar == nil {
+		return
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if done > 0 {
+		bar.ChangeMax(done)
+		_ = bar.Set(done)
+	}
+	_ = bar.Exit()
+	fmt.Fprintln(w)
+}
+
+// reportNoWorker says once, after `after`, that no worker polls the run's
+// task queue, if none does while the run is still open; it checks again
+// every `after` until Temporal answers, and gives up once stop closes.
+// Temporal lists a queue's pollers of the last minutes, so a worker that
+// just stopped still counts.
+func reportNoWorker(ctx context.Context, c client.Client, id string, after time.Duration, stop <-chan struct{}, say func(string)) {
+	t := time.NewTimer(after)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-stop:
+			return
+		case <-ctx.Done():
+			return
+		}
+		d, err := c.DescribeWorkflow(ctx, id, "")
+		if err == nil {
+			info := d.RawResponse.GetWorkflowExecutionInfo()
+			if info.GetStatus() != enumspb.WORKFLOW_EXECUTION_STATUS_RUNNING {
+				return
+			}
+			queue := d.RawResponse.GetExecutionConfig().GetTaskQueue().GetName()
+			if queue == "" {
+				queue = info.GetTaskQueue()
+			}
+			tq, err := c.DescribeTaskQueue(ctx, queue, enumspb.TASK_QUEUE_TYPE_WORKFLOW)
+			if err == nil {
+				if len(tq.GetPollers()) == 0 {
+					say(NoWorkerMessage(queue))
+				}
+				return
+			}
+		}
+		t.Reset(after)
+	}
+}
+
+// NoWorkerMessage is what Watch says of a task queue no worker polls.
+func NoWorkerMessage(queue string) string {
+	return fmt.Sprintf("no worker is polling task queue %s; start one with `rlflow worker --task-queue %s`", queue, queue)
 }

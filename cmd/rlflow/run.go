@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -47,7 +48,10 @@ same paths as the pipeline's base_dir.
 
 With --wait it follows the run until it ends and exits with its outcome. It
 waits out Temporal outages of any length, printing a line when the frontend
-stops answering and one when it is back; Ctrl-C stops following, not the run.`,
+stops answering and one when it is back; Ctrl-C stops following, not the run, and prints how to cancel it.
+A worker must poll --task-queue: if none does after a few seconds, it says so.
+A failed run ends with one sentence (the step, the attempt, what happened) and
+the step's log tail.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -99,21 +103,40 @@ func startAndFollowWith(ctx context.Context, c client.Client, g *globalFlags, sp
 	res, err := runs.Watch(ctx, c, run, runs.WatchOptions{Out: out, Bar: bar, Total: total, OnIteration: onIteration, Address: g.address})
 	if err != nil && ctx.Err() != nil {
 		// Interrupted: the run itself goes on, on the cluster.
-		return &exitError{code: 1, err: fmt.Errorf("stopped following %s (the run goes on; rlflow status %s): %w", run.GetID(), run.GetID(), err)}
+		return &exitError{code: exitRunUnsuccessful, err: detached(run.GetID())}
 	}
 	if err != nil {
-		return &exitError{code: 1, err: fmt.Errorf("run %s failed: %w", run.GetID(), err)}
+		var re *runs.RunError
+		if errors.As(err, &re) {
+			return &exitError{code: exitRunUnsuccessful, err: err}
+		}
+		return &exitError{code: exitRunUnsuccessful, err: fmt.Errorf("following run %s: %s", run.GetID(), runs.ExplainError(err))}
 	}
 	fmt.Fprintf(out, "run %s succeeded: %d iteration(s), stopped by %s\n", run.GetID(), res.Iterations, res.StoppedBy)
 	return nil
 }
+
+// detached is what Ctrl-C during run --wait says: the run is not
+// cancelled, and how to look at it or cancel it.
+func detached(id string) error {
+	return fmt.Errorf("stopped following %s (the run goes on; rlflow status %s); to cancel it: rlflow cancel %s", id, id, id)
+}
+
+// statusIterations is how many finished iterations' outputs status prints
+// (--json lists every one).
+const statusIterations = workflows.RecentIterations
 
 func newStatusCmd(g *globalFlags) *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "status RUN_ID",
 		Short: "Show a run's iteration, each step's state, attempts and last error",
-		Args:  cobra.ExactArgs(1),
+		Long: `Status shows a run: its Temporal state, the outputs of its last finished
+iterations (--json: of every one), each step of the running (or last)
+iteration, and, for a run that did not succeed, why: one sentence and the
+failed step's log tail. It exits 1 when the run failed, was cancelled,
+terminated or timed out, 0 while it runs and when it succeeded.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			// A Temporal outage is waited out, saying so on stderr, as
 			// run --wait does: Ctrl-C stops waiting.
@@ -130,9 +153,17 @@ func newStatusCmd(g *globalFlags) *cobra.Command {
 				return &exitError{code: 1, err: err}
 			}
 			if asJSON {
-				return writeJSON(cmd.OutOrStdout(), st)
+				runs.FillIterations(ctx, c, st, 0)
+				if err := writeJSON(cmd.OutOrStdout(), st); err != nil {
+					return err
+				}
+			} else {
+				runs.FillIterations(ctx, c, st, statusIterations)
+				runs.PrintStatus(cmd.OutOrStdout(), st)
 			}
-			runs.PrintStatus(cmd.OutOrStdout(), st)
+			if st.Unsuccessful() {
+				return &exitError{code: exitRunUnsuccessful, err: errShown}
+			}
 			return nil
 		},
 	}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -12,6 +13,17 @@ import (
 	"github.com/spf13/cobra"
 	"go.temporal.io/sdk/client"
 )
+
+// exitRunUnsuccessful is the exit status of the commands that follow or
+// show a run (run --wait, status, dev --exit) when they cannot say it
+// succeeded or runs: it failed, was cancelled, terminated or timed out,
+// Ctrl-C stopped following it, or Temporal answered an error; the message
+// says which. 0 means it succeeded (or, for status, runs).
+const exitRunUnsuccessful = 1
+
+// errShown is an exitError's error when the command already printed why
+// it exits non-zero (status prints the run's failure on stdout).
+var errShown = errors.New("")
 
 func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
