@@ -15,10 +15,12 @@ build: $(RLFLOW)
 $(RLFLOW): FORCE
 	$(GO) build -o $(RLFLOW) ./cmd/rlflow
 
-# The Temporal CLI (dev server + web UI), built from the Go module proxy once.
+# The Temporal CLI (dev server + web UI), built from the Go module proxy once;
+# -v lists each package as it is built, so the wait shows progress.
 $(TEMPORAL):
-	@echo "building the Temporal CLI into ./bin (once, a few minutes)"
-	GOBIN=$(CURDIR)/bin $(GO) install $(TEMPORAL_CLI)
+	@echo "building the Temporal CLI ($(TEMPORAL_CLI)) into ./bin: once, a few minutes, one line per package built."
+	@echo "(to skip it: make TEMPORAL=\$$(command -v temporal) demo, with a Temporal CLI 1.0.0 or later on PATH)"
+	GOBIN=$(CURDIR)/bin $(GO) install -v $(TEMPORAL_CLI)
 
 demo: $(TEMPORAL) $(RLFLOW)
 	$(RLFLOW) dev $(ARGS)

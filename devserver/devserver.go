@@ -1,12 +1,14 @@
 // Package devserver starts a local Temporal dev server (the Temporal CLI's
 // `server start-dev`, with its web UI) for `rlflow dev` and the tests, and
-// builds the CLI from the Go module proxy when it is missing.
+// builds the CLI from the Go module proxy when it is missing (and no
+// recent enough one is on PATH), showing the build's progress.
 //
 // Invariant: the server binds only the loopback address it is given and is
 // stopped (its process group killed) by Stop.
 package devserver
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -15,7 +17,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
+	"strconv"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/workflows"
@@ -27,8 +33,15 @@ import (
 // that `go install` can build from the module proxy.
 const TemporalCLIModule = "github.com/temporalio/cli/cmd/temporal@v1.5.1"
 
+// MinTemporalCLI is the oldest Temporal CLI release whose dev server takes
+// every flag Start passes.
+const MinTemporalCLI = "1.0.0"
+
 // FindTemporal locates the Temporal CLI: explicit path, $RLFLOW_TEMPORAL,
-// bin/temporal in the working directory or the module root above it, then PATH.
+// bin/temporal in the working directory or the module root above it, then
+// a `temporal` on PATH whose version is MinTemporalCLI or later (a build
+// from source says 0.0.0-DEV and is taken as is), so that a user who has
+// the CLI installed never waits for a build.
 func FindTemporal(explicit string) (string, error) {
 	cands := []string{explicit, os.Getenv("RLFLOW_TEMPORAL")}
 	if root, ok := moduleRoot(); ok {
@@ -43,10 +56,60 @@ func FindTemporal(explicit string) (string, error) {
 			return filepath.Abs(c)
 		}
 	}
-	if p, err := exec.LookPath("temporal"); err == nil {
-		return p, nil
+	build := "; build it with `make bin/temporal` or: GOBIN=$PWD/bin go install " + TemporalCLIModule
+	p, err := exec.LookPath("temporal")
+	if err != nil {
+		return "", errors.New("temporal CLI not found (looked at $RLFLOW_TEMPORAL, ./bin/temporal and PATH)" + build)
 	}
-	return "", errors.New("temporal CLI not found (looked at $RLFLOW_TEMPORAL, ./bin/temporal and PATH); build it with `make bin/temporal` or: GOBIN=$PWD/bin go install " + TemporalCLIModule)
+	if err := checkTemporalVersion(p); err != nil {
+		return "", fmt.Errorf("%w%s", err, build)
+	}
+	return p, nil
+}
+
+// temporalVersion matches `temporal --version`: "temporal version 1.5.1
+// (Server 1.29.1, UI 2.42.1)".
+var temporalVersion = regexp.MustCompile(`^temporal version (\d+)\.(\d+)\.(\d+)(\S*)`)
+
+// checkTemporalVersion says why the Temporal CLI at path will not do: too
+// old, or not answering --version as the CLI does.
+func checkTemporalVersion(path string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, path, "--version").Output()
+	if err != nil {
+		return fmt.Errorf("temporal on PATH (%s) did not answer --version: %w", path, err)
+	}
+	line := strings.TrimSpace(string(out))
+	m := temporalVersion.FindStringSubmatch(line)
+	if m == nil {
+		return fmt.Errorf("temporal on PATH (%s) is not the Temporal CLI: --version printed %q", path, firstLine(line))
+	}
+	if m[1]+"."+m[2]+"."+m[3] == "0.0.0" && m[4] == "-DEV" {
+		return nil
+	}
+	got := [3]int{atoi(m[1]), atoi(m[2]), atoi(m[3])}
+	var want [3]int
+	fmt.Sscanf(MinTemporalCLI, "%d.%d.%d", &want[0], &want[1], &want[2])
+	for i := range got {
+		if got[i] != want[i] {
+			if got[i] < want[i] {
+				return fmt.Errorf("temporal on PATH (%s) is version %s.%s.%s; rlflow needs %s or later", path, m[1], m[2], m[3], MinTemporalCLI)
+			}
+			break
+		}
+	}
+	return nil
+}
+
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s) // the pattern matched digits
+	return n
+}
+
+func firstLine(s string) string {
+	l, _, _ := strings.Cut(s, "\n")
+	return l
 }
 
 // moduleRoot walks up from the working directory to the directory holding
@@ -68,8 +131,16 @@ func moduleRoot() (string, bool) {
 	}
 }
 
-// BuildTemporal builds the Temporal CLI into binDir with `go install`.
+// BuildTemporal builds the Temporal CLI into binDir with `go install -v`,
+// copying each package line it prints to out as it comes and, every 10 s,
+// the time elapsed: a first build takes minutes, and a silent one looks hung.
 func BuildTemporal(ctx context.Context, binDir string, out io.Writer) (string, error) {
+	return buildTemporal(ctx, "go", binDir, out, 10*time.Second)
+}
+
+// buildTemporal is BuildTemporal with the go command and the progress
+// period given.
+func buildTemporal(ctx context.Context, goCmd, binDir string, out io.Writer, every time.Duration) (string, error) {
 	abs, err := filepath.Abs(binDir)
 	if err != nil {
 		return "", err
@@ -77,11 +148,48 @@ func BuildTemporal(ctx context.Context, binDir string, out io.Writer) (string, e
 	if err := os.MkdirAll(abs, 0o755); err != nil {
 		return "", fmt.Errorf("creating %s: %w", abs, err)
 	}
-	cmd := exec.CommandContext(ctx, "go", "install", TemporalCLIModule)
+	cmd := exec.CommandContext(ctx, goCmd, "install", "-v", TemporalCLIModule)
 	cmd.Env = append(os.Environ(), "GOBIN="+abs)
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("building the Temporal CLI (go install %s): %w", TemporalCLIModule, err)
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	var mu sync.Mutex // the lines and the ticks share out
+	packages := 0
+	copied := make(chan struct{})
+	go func() {
+		defer close(copied)
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			mu.Lock()
+			packages++
+			fmt.Fprintf(out, "  %s\n", sc.Text())
+			mu.Unlock()
+		}
+		_, _ = io.Copy(io.Discard, pr) // a line past the scanner's limit
+	}()
+	start := time.Now()
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	stop, ticked := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(ticked)
+		for {
+			select {
+			case <-tick.C:
+				mu.Lock()
+				fmt.Fprintf(out, "  still building the Temporal CLI: %s elapsed, %d lines of `go install -v` so far\n", time.Since(start).Round(time.Second), packages)
+				mu.Unlock()
+			case <-stop:
+				return
+			}
+		}
+	}()
+	err = cmd.Run()
+	pw.Close()
+	<-copied
+	close(stop)
+	<-ticked
+	if err != nil {
+		return "", fmt.Errorf("building the Temporal CLI (go install %s) failed after %s: %w", TemporalCLIModule, time.Since(start).Round(time.Second), err)
 	}
 	return filepath.Join(abs, "temporal"), nil
 }
