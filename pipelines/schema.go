@@ -94,6 +94,7 @@ var (
 	nameRe       = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
 	stepIDRe     = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
 	identRe      = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	headlineRe   = regexp.MustCompile(`^[a-z][a-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_]*$`)
 	envVarRe     = identRe
 	durationRe   = `^(0|([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$`
 	sizeRe       = regexp.MustCompile(`^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$`)
@@ -166,6 +167,15 @@ var loopObj = &object{
 	},
 }
 
+var metricsObj = &object{
+	name: "metrics", title: "metrics",
+	doc: "Outputs the Temporal UI shows for a run.",
+	typ: reflect.TypeOf(Metrics{}),
+	fields: []field{
+		{name: "headline", pattern: headlineRe, doc: "`<step>.<output>`: a numeric output of a declared step (one its type produces or the step declares); its latest value is the run's `RlflowHeadline` search attribute (a Double), to filter and sort runs by, e.g. `eval.score`"},
+	},
+}
+
 var paramObj = &object{
 	name: "param", title: "params.<name>",
 	doc: "A launch parameter, referenced as `${{ params.<name> }}`. Names are identifiers: `[A-Za-z_][A-Za-z0-9_]*`.",
@@ -210,6 +220,7 @@ var pipelineObj = &object{
 		{name: "servers", doc: "vLLM servers"},
 		{name: "weight_transfer", doc: "weight transfer settings"},
 		{name: "loop", doc: "iteration control"},
+		{name: "metrics", doc: "the run's key outputs, shown in the Temporal UI"},
 		{name: "max_parallel", min: bound(0), max: bound(maxInt32), def: int64(0), defDoc: "unbounded", doc: "most steps of one iteration running at once; 0 means unbounded"},
 		{name: "defaults", doc: "step defaults"},
 		{name: "steps", required: true, minItems: 1, doc: "the DAG's steps, in file order"},
@@ -217,7 +228,7 @@ var pipelineObj = &object{
 }
 
 // objects is every schema object, in reference order.
-var objects = []*object{pipelineObj, paramObj, serverObj, weightTransferObj, loopObj, defaultsObj, retryObj, stepObj}
+var objects = []*object{pipelineObj, paramObj, serverObj, weightTransferObj, loopObj, metricsObj, defaultsObj, retryObj, stepObj}
 
 var objectByType = map[reflect.Type]*object{}
 

@@ -50,6 +50,8 @@ type Pipeline struct {
 	Servers        []Server        `json:"servers,omitempty" yaml:"servers,omitempty"`
 	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty" yaml:"weight_transfer,omitempty"`
 	Loop           Loop            `json:"loop" yaml:"loop"`
+	// Metrics names the outputs the Temporal UI shows and sorts runs by.
+	Metrics *Metrics `json:"metrics,omitempty" yaml:"metrics,omitempty"`
 	// MaxParallel bounds how many steps of one iteration run at once (0 = unbounded).
 	MaxParallel int          `json:"max_parallel,omitempty" yaml:"max_parallel,omitempty"`
 	Defaults    StepDefaults `json:"defaults" yaml:"defaults"`
@@ -181,6 +183,22 @@ type WeightTransfer struct {
 	// host-specific queue before that worker is taken for dead and another
 	// is acquired (nccl only; 0 = DefaultGPUStartTimeout).
 	GPUStartTimeout Duration `json:"gpu_start_timeout,omitempty" yaml:"gpu_start_timeout,omitempty"`
+}
+
+// Metrics names a run's key outputs.
+type Metrics struct {
+	// Headline is "<step>.<output>": a numeric output whose latest value the
+	// run publishes as its RlflowHeadline search attribute.
+	Headline string `json:"headline,omitempty" yaml:"headline,omitempty"`
+}
+
+// HeadlineRef splits Metrics.Headline into its step id and output key; ok
+// is false when no headline is set.
+func (p *Pipeline) HeadlineRef() (step, output string, ok bool) {
+	if p.Metrics == nil || p.Metrics.Headline == "" {
+		return "", "", false
+	}
+	return strings.Cut(p.Metrics.Headline, ".")
 }
 
 // Loop says how many iterations run. Exactly one of Iterations or Until is set

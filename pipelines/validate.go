@@ -38,6 +38,43 @@ func (l *loader) check(path string) {
 	l.checkWeightTransfer()
 	l.checkCycles()
 	l.checkExprs()
+	l.checkMetrics()
+}
+
+// checkMetrics checks that metrics.headline names a declared step and an
+// output that step produces, as a `${{ steps.X.outputs.Y }}` reference must.
+func (l *loader) checkMetrics() {
+	stepID, key, ok := l.p.HeadlineRef()
+	if !ok || l.bad["metrics.headline"] {
+		return
+	}
+	st, found := l.p.StepByID(stepID)
+	if !found {
+		ids := make([]string, 0, len(l.p.Steps))
+		for _, s := range l.p.Steps {
+			ids = append(ids, s.ID)
+		}
+		l.errPath("metrics.headline", "unknown step %q%s", clip(stepID), didYouMean(stepID, ids))
+		return
+	}
+	t, known := LookupStepType(st.Uses)
+	if !known {
+		return // steps[].uses reports it
+	}
+	outs := t.OutputsOf(st)
+	if contains(outs, key) {
+		return
+	}
+	have := "it has no outputs"
+	if len(outs) > 0 {
+		have = "outputs: " + joinNames(outs)
+	}
+	if c := suggest(key, outs); c != "" {
+		have = fmt.Sprintf("did you mean %q? %s", c, have)
+	} else if t.DeclaredOutputs {
+		have += "; declare it in the step's outputs"
+	}
+	l.errPath("metrics.headline", "step %q has no output %q (%s)", stepID, clip(key), have)
 }
 
 func (l *loader) checkServer(s Server, path string) {
