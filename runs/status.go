@@ -296,13 +296,6 @@ func formatFloat(v float64, bits int) string {
 	return strconv.FormatFloat(v, 'g', 6, bits)
 }
 
-func firstLine(s string) string {
-	if i := strings.IndexByte(s, '\n'); i >= 0 {
-		return s[:i]
-	}
-	return s
-}
-
 // failureMessage is a failure's message, decrypted when the payload codec is
 // on (the failure converter then encodes it; see clientOptions).
 func failureMessage(f *failurepb.Failure) string {
