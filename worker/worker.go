@@ -106,6 +106,9 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	}
 	RegisterWorkflows(w)
 	RegisterControlActivities(w, acts)
+	// A local activity of the pipeline workflow, so it lives with the
+	// workflows, on the worker's own client.
+	w.RegisterActivityWithOptions(searchAttributeCheck{c}.Registered, activity.RegisterOptions{Name: workflows.SearchAttributesActivity})
 	return w, nil
 }
 

@@ -197,6 +197,7 @@ func (it *interpreter) acquireOnce(ctx workflow.Context) (GPUHost, error) {
 	g := it.gpu
 	actx := workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
 		TaskQueue:              g.queue,
+		Summary:                "acquire a GPU worker",
 		ScheduleToStartTimeout: GPUAcquireWait,
 		StartToCloseTimeout:    GPUAcquireRunTimeout,
 		RetryPolicy:            &temporal.RetryPolicy{InitialInterval: time.Second, MaximumAttempts: 3},

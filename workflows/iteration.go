@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"go.temporal.io/sdk/temporal"
@@ -28,6 +29,8 @@ type stepRun struct {
 	actCtx workflow.Context
 	// resyncs counts the re-syncs this step's StaleWeights errors caused.
 	resyncs int
+	// started is when the step started (workflow time), for its duration.
+	started time.Time
 }
 
 // RunIteration runs one pass over the pipeline's DAG. It fails with the first
@@ -138,6 +141,7 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 		if it.running == 0 {
 			break
 		}
+		it.publish(ctx, "")
 		sel := workflow.NewSelector(ctx)
 		for _, r := range it.runs {
 			if r.future == nil || r.result.Status != StatusRunning {
@@ -157,6 +161,7 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 		}
 		if it.running == 0 && it.paused && !it.cancelled && it.failed == nil && it.pendingCount() > 0 {
 			// Paused between steps: wait for resume or cancellation.
+			it.publish(ctx, "")
 			it.waitWhilePaused(ctx, pauseCh, resumeCh)
 		}
 	}
@@ -165,12 +170,27 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 		res.Steps = append(res.Steps, r.result)
 	}
 	if it.cancelled {
+		it.publish(ctx, RunCanceled)
 		return res, temporal.NewCanceledError("iteration cancelled")
 	}
 	if it.failed != nil {
+		it.publish(ctx, RunFailed)
 		return res, it.failed
 	}
+	it.publish(ctx, RunCompleted)
 	return res, nil
+}
+
+// publish sets the iteration's current details; status "" is its live
+// state, Running or Paused.
+func (it *interpreter) publish(ctx workflow.Context, status string) {
+	if status == "" {
+		status = RunRunning
+		if it.paused {
+			status = RunPaused
+		}
+	}
+	workflow.SetCurrentDetails(ctx, iterationDetails(it.in.Spec, it.in.Iteration, status, it.runs))
 }
 
 func (it *interpreter) pendingCount() int {
@@ -305,6 +325,7 @@ func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipel
 	args[pipelines.ContextArg] = it.stepContext(s, it.servers)
 	opts := activityOptions(spec, s)
 	r.args, r.opts, r.actCtx = args, opts, actCtx
+	r.started = workflow.Now(ctx)
 	if it.isGPUStep(s) {
 		it.startGPU(actCtx, r, args, opts)
 		r.result.Status = StatusRunning
@@ -323,6 +344,7 @@ func (it *interpreter) start(ctx, actCtx workflow.Context, r *stepRun, env pipel
 func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Future) {
 	it.running--
 	r.cancel()
+	r.result.Seconds = workflow.Now(ctx).Sub(r.started).Seconds()
 	var out map[string]any
 	err := f.Get(ctx, &out)
 	if r.gpu {
@@ -427,6 +449,7 @@ func activityOptions(p *pipelines.Pipeline, s *pipelines.Step) workflow.Activity
 	}
 	return workflow.ActivityOptions{
 		ActivityID:          s.ID,
+		Summary:             activitySummary(s),
 		TaskQueue:           queue,
 		StartToCloseTimeout: timeout,
 		HeartbeatTimeout:    heartbeat,

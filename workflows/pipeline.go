@@ -48,14 +48,6 @@ func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, er
 		return nil, temporal.NewNonRetryableApplicationError("params: "+err.Error(), pipelines.ErrTypeBadInput, nil)
 	}
 
-	r := &pipelineRun{in: in, status: StatusRunning}
-	if err := workflow.SetQueryHandler(ctx, QueryProgress, r.progress); err != nil {
-		return nil, err
-	}
-	pauseCh := workflow.GetSignalChannel(ctx, SignalPause)
-	resumeCh := workflow.GetSignalChannel(ctx, SignalResume)
-	r.upsert(ctx)
-
 	every := spec.Loop.ContinueAsNewEvery
 	if every <= 0 {
 		every = pipelines.DefaultContinueAsNewEvery
@@ -68,11 +60,30 @@ func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, er
 	if limit <= 0 {
 		limit = 1
 	}
+
+	r := &pipelineRun{in: in, status: StatusRunning, limit: limit, iteration: max(in.NextIteration, 1)}
+	if err := workflow.SetQueryHandler(ctx, QueryProgress, r.progress); err != nil {
+		return nil, err
+	}
+	pauseCh := workflow.GetSignalChannel(ctx, SignalPause)
+	resumeCh := workflow.GetSignalChannel(ctx, SignalResume)
+	if workflow.GetVersion(ctx, visibilityChange, workflow.DefaultVersion, 1) >= 1 {
+		r.visible = true
+		r.registered = registeredSearchAttributes(ctx)
+		for _, sum := range r.in.Recent {
+			r.noteHeadline(sum)
+		}
+	}
+	r.upsert(ctx)
 	ranHere := 0
 	for iter := max(in.NextIteration, 1); iter <= limit; iter++ {
 		if ranHere >= every {
 			r.in.NextIteration = iter
 			r.drainSignals(pauseCh, resumeCh)
+			if r.visible {
+				r.continuing = true
+				r.publish(ctx)
+			}
 			logger.Info("continuing as new", "next_iteration", iter)
 			return nil, workflow.NewContinueAsNewError(ctx, PipelineWorkflow, r.in)
 		}
@@ -90,6 +101,12 @@ func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, er
 		sum, err := r.runIteration(ctx, iter, pauseCh, resumeCh)
 		ranHere++
 		r.record(sum)
+		if r.visible && err == nil {
+			// The headline of this iteration, before the next one starts
+			// (or the run ends).
+			r.noteHeadline(sum)
+			r.publish(ctx)
+		}
 		if err != nil {
 			r.lastError = err.Error()
 			if temporal.IsCanceledError(err) || ctx.Err() != nil {
@@ -122,10 +139,20 @@ func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, er
 type pipelineRun struct {
 	in        PipelineInput
 	iteration int
+	limit     int
 	done      int
 	status    string
 	child     string
 	lastError string
+
+	// visible: the run keeps the UI's view of it true (visibilityChange);
+	// the rest is what it shows.
+	visible    bool
+	registered map[string]bool // search attributes the namespace has
+	continuing bool            // continuing as new
+	headline   *float64        // latest metrics.headline value
+	lastSteps  []StepResult    // of the last iteration that finished
+	stepsOf    int             // the iteration lastSteps belong to
 }
 
 func (r *pipelineRun) progress() (Progress, error) {
@@ -197,6 +224,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 		// so its `always` steps still run.
 		WaitForCancellation: true,
 		ParentClosePolicy:   enumspb.PARENT_CLOSE_POLICY_REQUEST_CANCEL,
+		StaticSummary:       iterationSummary(r.in.Spec.Name, iter),
 	})
 	fut := workflow.ExecuteChildWorkflow(cctx, IterationWorkflow, IterationInput{
 		Spec: r.in.Spec, Params: r.in.Params, Iteration: iter, RunID: info.WorkflowExecution.ID, Paused: r.in.Paused,
@@ -211,15 +239,22 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 			c.Receive(ctx, nil)
 			r.in.Paused = true
 			fut.SignalChildWorkflow(ctx, SignalPause, nil)
+			if r.visible {
+				r.publish(ctx)
+			}
 		})
 		sel.AddReceive(resumeCh, func(c workflow.ReceiveChannel, _ bool) {
 			c.Receive(ctx, nil)
 			r.in.Paused = false
 			fut.SignalChildWorkflow(ctx, SignalResume, nil)
+			if r.visible {
+				r.publish(ctx)
+			}
 		})
 		sel.Select(ctx)
 	}
 	if err == nil {
+		r.lastSteps, r.stepsOf = res.Steps, iter
 		// The next iteration (and the next run, after continue-as-new)
 		// reuses this worker and its transfer group.
 		r.in.GPUHost = res.GPUHost
@@ -257,7 +292,14 @@ func (r *pipelineRun) searchUpdates() []temporal.SearchAttributeUpdate {
 	}
 }
 
+// upsert publishes the run's state: all of it for a visible run, else
+// (a run started before visibilityChange) the search attributes the
+// starter asked for, as that run always did.
 func (r *pipelineRun) upsert(ctx workflow.Context) {
+	if r.visible {
+		r.publish(ctx)
+		return
+	}
 	if !r.in.SearchAttributes {
 		return
 	}
@@ -276,4 +318,53 @@ func (r *pipelineRun) upsertDisconnected(ctx workflow.Context) {
 // IterationWorkflowID is the workflow id of a pipeline run's iteration.
 func IterationWorkflowID(runID string, iteration int) string {
 	return fmt.Sprintf("%s/iter-%d", runID, iteration)
+}
+
+// runStatus is RlflowStatus: Temporal's name for the run's state, or Paused.
+func (r *pipelineRun) runStatus() string {
+	switch {
+	case r.status == StatusSucceeded:
+		return RunCompleted
+	case r.status == StatusFailed:
+		return RunFailed
+	case r.status == StatusCancelled:
+		return RunCanceled
+	case r.continuing:
+		return RunContinuedAsNew
+	case r.in.Paused:
+		return RunPaused
+	}
+	return RunRunning
+}
+
+// noteHeadline keeps a finished iteration's headline value, if it has one.
+func (r *pipelineRun) noteHeadline(sum IterationSummary) {
+	if v, ok := headlineOf(r.in.Spec, sum.Outputs); ok {
+		r.headline = &v
+	}
+}
+
+// publish sets the run's current details and upserts its search
+// attributes (those the namespace has).
+func (r *pipelineRun) publish(ctx workflow.Context) {
+	status := r.runStatus()
+	workflow.SetCurrentDetails(ctx, pipelineDetails(r.in.Spec, status, r.iteration, r.limit, r.headline, r.in.Recent, r.lastSteps, r.stepsOf))
+	var updates []temporal.SearchAttributeUpdate
+	add := func(name string, u temporal.SearchAttributeUpdate) {
+		if r.registered[name] {
+			updates = append(updates, u)
+		}
+	}
+	add(SearchPipeline.GetName(), SearchPipeline.ValueSet(r.in.Spec.Name))
+	add(SearchIteration.GetName(), SearchIteration.ValueSet(int64(r.iteration)))
+	add(SearchStatus.GetName(), SearchStatus.ValueSet(status))
+	if r.headline != nil {
+		add(SearchHeadline.GetName(), SearchHeadline.ValueSet(*r.headline))
+	}
+	if len(updates) == 0 {
+		return
+	}
+	if err := workflow.UpsertTypedSearchAttributes(ctx, updates...); err != nil {
+		workflow.GetLogger(ctx).Warn("upserting search attributes", "error", err)
+	}
 }

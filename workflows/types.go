@@ -57,11 +57,15 @@ const (
 	DefaultTaskQueue = "rlflow"
 )
 
-// Search attributes set on pipeline runs so they can be filtered in the UI.
+// Search attributes every pipeline run sets on itself (those its namespace
+// has registered), so runs can be filtered and sorted in the UI.
 var (
 	SearchPipeline  = temporal.NewSearchAttributeKeyKeyword("RlflowPipeline")
 	SearchIteration = temporal.NewSearchAttributeKeyInt64("RlflowIteration")
-	SearchStatus    = temporal.NewSearchAttributeKeyKeyword("RlflowStatus")
+	// SearchStatus holds Run* (RunRunning, RunPaused, ...).
+	SearchStatus = temporal.NewSearchAttributeKeyKeyword("RlflowStatus")
+	// SearchHeadline is the latest value of the pipeline's metrics.headline.
+	SearchHeadline = temporal.NewSearchAttributeKeyFloat64("RlflowHeadline")
 )
 
 // SearchAttributeTypes lists the search attributes a namespace must have
@@ -70,6 +74,7 @@ var SearchAttributeTypes = map[string]string{
 	"RlflowPipeline":  "Keyword",
 	"RlflowIteration": "Int",
 	"RlflowStatus":    "Keyword",
+	"RlflowHeadline":  "Double",
 }
 
 // PipelineInput starts a pipeline run: its JSON is the run's input, as the
@@ -90,8 +95,10 @@ type PipelineInput struct {
 	SpecPath string `json:"spec_path,omitempty"`
 	// Params are launch values (JSON types); missing ones take defaults.
 	Params map[string]any `json:"params,omitempty"`
-	// SearchAttributes enables upserting the Rlflow* search attributes; the
-	// starter sets it after checking the namespace has them registered.
+	// SearchAttributes is read only by runs started before the visibility
+	// change (it told them to upsert); a run now asks its namespace which
+	// Rlflow* search attributes it has (SearchAttributesActivity) and sets
+	// those, whoever started it. Still accepted from existing starters.
 	SearchAttributes bool `json:"search_attributes,omitempty"`
 
 	// Carried across continue-as-new.
@@ -170,9 +177,12 @@ type StepResult struct {
 	Outputs map[string]any `json:"outputs,omitempty"`
 	// Attempts is the attempt that produced the final result (0 = unknown,
 	// e.g. a timeout, whose attempt Temporal does not report back).
-	Attempts int    `json:"attempts,omitempty"`
-	Error    string `json:"error,omitempty"`
-	Reason   string `json:"reason,omitempty"` // why a step was skipped
+	Attempts int `json:"attempts,omitempty"`
+	// Seconds is how long the step took, from its start to its result
+	// (workflow time, every attempt included); 0 until it finished.
+	Seconds float64 `json:"seconds,omitempty"`
+	Error   string  `json:"error,omitempty"`
+	Reason  string  `json:"reason,omitempty"` // why a step was skipped
 	// GPUHost is the GPU worker a routed step runs (or last ran) on; a step
 	// that moved to another worker after a loss shows the last one.
 	GPUHost *GPUHost `json:"gpu_host,omitempty"`

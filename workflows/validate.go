@@ -63,7 +63,7 @@ func validatedInput(ctx workflow.Context, raw json.RawMessage) (PipelineInput, e
 	if continued && s.spec != nil {
 		s.spec = upgradeParams(s.spec)
 	}
-	actx := workflow.WithActivityOptions(ctx, validationActivity)
+	actx := workflow.WithActivityOptions(ctx, withSummary(validationActivity, "load the pipeline file"))
 	if in.SpecPath != "" {
 		if err := workflow.ExecuteActivity(actx, LoadPipelineActivity, in.SpecPath).Get(ctx, &in.Spec); err != nil {
 			return in, validationFailure("loading spec_path", err)
@@ -74,6 +74,7 @@ func validatedInput(ctx workflow.Context, raw json.RawMessage) (PipelineInput, e
 		return in, nil
 	}
 	// As []byte, not json.RawMessage, which the SDK would encode as JSON.
+	actx = workflow.WithActivityOptions(ctx, withSummary(validationActivity, "validate the pipeline"))
 	if err := workflow.ExecuteActivity(actx, ValidateSpecActivity, []byte(s.spec)).Get(ctx, &in.Spec); err != nil {
 		return in, validationFailure("validating spec", err)
 	}
@@ -94,7 +95,7 @@ func trustedInput(ctx workflow.Context, raw json.RawMessage) (PipelineInput, err
 	if in.SpecPath == "" {
 		return in, temporal.NewNonRetryableApplicationError("pipeline input needs spec or spec_path", pipelines.ErrTypeBadInput, nil)
 	}
-	lctx := workflow.WithActivityOptions(ctx, validationActivity)
+	lctx := workflow.WithActivityOptions(ctx, withSummary(validationActivity, "load the pipeline file"))
 	if err := workflow.ExecuteActivity(lctx, LoadPipelineActivity, in.SpecPath).Get(ctx, &in.Spec); err != nil {
 		return in, fmt.Errorf("loading %s: %w", in.SpecPath, err)
 	}
@@ -331,4 +332,9 @@ func clipName(s string) string {
 		s = string([]rune(s)[:57]) + "..."
 	}
 	return strconv.Quote(s)
+}
+
+func withSummary(o workflow.ActivityOptions, summary string) workflow.ActivityOptions {
+	o.Summary = summary
+	return o
 }
