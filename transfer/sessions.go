@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"strings"
 
 	"github.com/rlflow/rlflow/vllm"
@@ -17,13 +18,17 @@ type Sessions struct {
 	// gone, so a refused start closes it and starts again.
 	closeStale bool
 	// Written by server i's goroutine only, read after every run returned.
-	opened, finished []bool
+	// unsure: a start that got no answer (cut short when the update failed
+	// on another server, or lost on the way back) may have opened the
+	// session on the server all the same.
+	opened, finished, unsure []bool
 }
 
 // NewSessions prepares the sessions of one update. closeStale says that
 // any session a server already has open belongs to a trainer that is gone.
 func NewSessions(fleet vllm.Fleet, closeStale bool) *Sessions {
-	return &Sessions{fleet: fleet, closeStale: closeStale, opened: make([]bool, len(fleet)), finished: make([]bool, len(fleet))}
+	n := len(fleet)
+	return &Sessions{fleet: fleet, closeStale: closeStale, opened: make([]bool, n), finished: make([]bool, n), unsure: make([]bool, n)}
 }
 
 // Run is server i's session: update runs between start and finish. Each
@@ -32,6 +37,7 @@ func NewSessions(fleet vllm.Fleet, closeStale bool) *Sessions {
 func (s *Sessions) Run(ctx context.Context, i int, update func(context.Context, *vllm.Client) error, version string) error {
 	c := s.fleet[i]
 	if err := c.StartUpdateSession(ctx, s.closeStale); err != nil {
+		s.unsure[i] = unanswered(err)
 		return err
 	}
 	s.opened[i] = true
@@ -52,21 +58,34 @@ func (s *Sessions) Run(ctx context.Context, i int, update func(context.Context, 
 // where closing failed too; "" when no session was left open.
 func (s *Sessions) CloseLeftOpen(ctx context.Context, version string) string {
 	var left vllm.Fleet
+	var unsure []bool
 	for i, c := range s.fleet {
-		if s.opened[i] && !s.finished[i] {
+		if (s.opened[i] && !s.finished[i]) || s.unsure[i] {
 			left = append(left, c)
+			unsure = append(unsure, s.unsure[i])
 		}
 	}
 	if len(left) == 0 {
 		return ""
 	}
-	err := left.Each("close update session", func(_ int, c *vllm.Client) error {
-		return c.CloseUpdateSession(ctx, failedVersion(version))
+	err := left.Each("close update session", func(k int, c *vllm.Client) error {
+		err := c.CloseUpdateSession(ctx, failedVersion(version))
+		if unsure[k] {
+			return nil // it may never have opened: a refusal says only that
+		}
+		return err
 	})
 	if err == nil {
 		return "update sessions closed"
 	}
 	return "could not close every update session, a server may be left mid-update: " + err.Error()
+}
+
+// unanswered reports whether a call failed without the server's answer:
+// the server may have done what was asked.
+func unanswered(err error) bool {
+	var e *vllm.Error
+	return !errors.As(err, &e) || e.Status == 0 && e.Err != nil
 }
 
 // failedVersion labels the weights of a server whose update failed.
