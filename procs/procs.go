@@ -209,14 +209,14 @@ func (r Run) Kill(ctx context.Context, grace time.Duration) ([]Identity, error) 
 		return nil, err
 	}
 	r.signal(found, syscall.SIGTERM)
-	left, err := r.waitGone(ctx, grace, false)
+	left, err := r.waitGone(ctx, found, grace, false)
 	if err != nil {
 		return found, err
 	}
 	if len(left) == 0 {
 		return found, nil
 	}
-	left, err = r.waitGone(ctx, killWait, true)
+	left, err = r.waitGone(ctx, found, killWait, true)
 	if err != nil {
 		return found, err
 	}
@@ -226,14 +226,25 @@ func (r Run) Kill(ctx context.Context, grace time.Duration) ([]Identity, error) 
 	return found, nil
 }
 
-// waitGone polls Find until it returns none or d passes; with kill, it
-// SIGKILLs what it finds on every poll, so children forked meanwhile go too.
-func (r Run) waitGone(ctx context.Context, d time.Duration, kill bool) ([]Identity, error) {
+// waitGone polls until neither Find nor the processes found at first
+// return any, or d passes; with kill, it SIGKILLs what is left on every
+// poll, so children forked meanwhile go too. The first ones are checked by
+// identity as well: a process on its way out no longer shows its
+// environment to Find while it still runs.
+func (r Run) waitGone(ctx context.Context, found []Identity, d time.Duration, kill bool) ([]Identity, error) {
 	deadline := time.Now().Add(d)
 	for {
 		left, err := r.Find()
-		if err != nil || len(left) == 0 {
+		if err != nil {
 			return nil, err
+		}
+		for _, p := range found {
+			if p.Alive() && !slices.Contains(left, p) {
+				left = append(left, p)
+			}
+		}
+		if len(left) == 0 {
+			return nil, nil
 		}
 		if kill {
 			r.signal(left, syscall.SIGKILL)
