@@ -55,6 +55,11 @@ type BroadcastOutput struct {
 	// Checkpoint is the checkpoint directory as loaded (absolute): the
 	// interpreter restores it into a server found on stale weights.
 	Checkpoint string `json:"checkpoint"`
+	// ServerSeconds is the update's time by operation (init, start,
+	// update, finish) as the slowest server reports it in its
+	// vllm:rl_weight_update_operation_duration_seconds histogram; empty
+	// where the servers export none (vLLM before late 2026).
+	ServerSeconds map[string]float64 `json:"server_seconds"`
 	// Initialized is true when this broadcast had to (re)initialise the
 	// transfer group first (first use, or the old group was lost).
 	Initialized bool `json:"initialized"`
@@ -115,6 +120,7 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 			return nil, err
 		}
 	}
+	serverBefore := serverOperationSeconds(ctx, target.Fleet)
 	var progress transfer.Progress
 	stop := a.reportTransfer(ctx, &progress)
 	start := time.Now()
@@ -130,6 +136,7 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 		metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, (time.Since(start) - res.Elapsed).Seconds(), 0)
 	}
 	metrics.From(ctx).ObserveSync(backend, metrics.PhaseUpdate, res.Elapsed.Seconds(), res.Bytes)
+	serverSeconds := serverTimes(ctx, serverBefore, serverOperationSeconds(ctx, target.Fleet))
 	if sc.FleetPaused {
 		// A server restarted during the update came back unpaused, on its
 		// base weights: the update did not reach what now serves.
@@ -143,7 +150,7 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 		}
 	}
 	out := &BroadcastOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(),
-		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, Attempt: attemptOf(ctx)}
+		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, ServerSeconds: serverSeconds, Attempt: attemptOf(ctx)}
 	if res.Elapsed > 0 {
 		out.GBps = float64(res.Bytes) / res.Elapsed.Seconds() / 1e9
 	}
@@ -190,6 +197,45 @@ func (a *Activities) transferPath(ctx context.Context, step string, sc pipelines
 // reportTransfer heartbeats the engine's progress until stop.
 func (a *Activities) reportTransfer(ctx context.Context, p *transfer.Progress) (stop func()) {
 	return a.heartbeatLoop(ctx, func() { activity.RecordHeartbeat(ctx, p.Report()) })
+}
+
+// serverOperationSeconds reads each server's cumulative weight-update
+// seconds by operation (empty for a server that exports none yet); nil for
+// a server that does not answer: the figures are extra, never a reason to
+// fail a sync.
+func serverOperationSeconds(ctx context.Context, f vllm.Fleet) []map[string]float64 {
+	out := make([]map[string]float64, len(f))
+	_ = f.Each("weight-update metrics", func(i int, c *vllm.Client) error {
+		sums, _, err := c.UpdateOperationSeconds(ctx)
+		if err == nil {
+			out[i] = sums
+			if out[i] == nil {
+				out[i] = map[string]float64{}
+			}
+		}
+		return nil
+	})
+	return out
+}
+
+// serverTimes is, per operation, the most any server spent on it between
+// the two readings, recording each server's time in the metrics too.
+func serverTimes(ctx context.Context, before, after []map[string]float64) map[string]float64 {
+	times := map[string]float64{}
+	for i := range after {
+		if before[i] == nil || after[i] == nil {
+			continue
+		}
+		for op, sum := range after[i] {
+			d := sum - before[i][op]
+			if d < 0 {
+				continue // the server restarted between the readings
+			}
+			metrics.From(ctx).ObserveServerSync(op, d)
+			times[op] = max(times[op], d)
+		}
+	}
+	return times
 }
 
 // checkPaused fails with StaleWeights, naming them, when servers the run

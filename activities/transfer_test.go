@@ -51,6 +51,11 @@ func TestBroadcastDisk(t *testing.T) {
 	assert.Equal(t, 1, out.Tensors)
 	assert.Equal(t, int64(len(m.Bytes())), out.Bytes)
 	assert.True(t, out.Initialized, "first use initialises")
+	// The servers' own times (the double exports vLLM's histogram).
+	for _, op := range []string{"init", "start", "update", "finish"} {
+		assert.Contains(t, out.ServerSeconds, op)
+	}
+	assert.Greater(t, out.ServerSeconds["update"], 0.0)
 	for _, d := range []*testDouble{d1, d2} {
 		assert.Equal(t, "run-1/iter-2", d.WeightVersion())
 		assert.Equal(t, m.Checksum(), d.Model().Checksum(), "the server loaded the checkpoint")
@@ -182,7 +187,7 @@ func TestTransferDispatch(t *testing.T) {
 	out, err := a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x", Version: "v"})
 	require.NoError(t, err)
 	assert.Equal(t, BroadcastOutput{Backend: pipelines.BackendNCCL, Bytes: 10, Tensors: 1, Seconds: 1, GBps: 1e-8, Version: "v",
-		Checkpoint: filepath.Join(nccl.BaseDir, "x"), Attempt: 1}, *out)
+		Checkpoint: filepath.Join(nccl.BaseDir, "x"), ServerSeconds: map[string]float64{}, Attempt: 1}, *out)
 	require.Len(t, fake.target.Fleet, 2)
 	assert.Equal(t, d2.URL, fake.target.Fleet[1].URL())
 	// One path for both backends: the checkpoint is resolved against the

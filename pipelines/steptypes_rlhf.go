@@ -137,7 +137,7 @@ func init() {
 			{Name: "update_timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: updateTimeoutDoc, Doc: "deadline of update_weights"},
 			{Name: "verify", Kind: KindBool, Default: false, Doc: "check the servers' weight version afterwards (APIs C and D)"},
 		},
-		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "checkpoint", "initialized"},
+		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "checkpoint", "server_seconds", "initialized"},
 		NeedsServers:        true,
 		NeedsWeightTransfer: true,
 	})

@@ -110,3 +110,61 @@ func TestProcessStartTimeOfARestartedDouble(t *testing.T) {
 		require.NoError(t, d2.Close())
 	}
 }
+
+func TestUpdateOperationSeconds(t *testing.T) {
+	const name = "vllm:rl_weight_update_operation_duration_seconds"
+	cases := []struct {
+		name string
+		body string
+		want map[string]float64
+		err  string
+	}{
+		{name: "newest vLLM", body: "# TYPE " + name + " histogram\n" +
+			name + `_bucket{model_name="m",operation="update",le="+Inf"} 2` + "\n" +
+			name + `_sum{model_name="m",operation="update"} 1.5` + "\n" +
+			name + `_count{model_name="m",operation="update"} 2` + "\n" +
+			name + `_sum{model_name="m",operation="start"} 0.01` + "\n",
+			want: map[string]float64{"update": 1.5, "start": 0.01}},
+		{name: "summed over engines", body: name + `_sum{engine="0",operation="update"} 1` + "\n" + name + `_sum{engine="1",operation="update"} 2` + "\n",
+			want: map[string]float64{"update": 3}},
+		{name: "absent (older vLLM)", body: "process_start_time_seconds 12\n"},
+		{name: "no operation label", body: name + `_sum{model_name="m"} 1` + "\n", err: "want an operation label and a value"},
+		{name: "negative", body: name + `_sum{operation="update"} -1` + "\n", err: `"-1" is not a number of seconds`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			cl := metricsServer(t, 200, c.body)
+			got, ok, err := cl.UpdateOperationSeconds(context.Background())
+			if c.err != "" {
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), "GET /metrics")
+				assert.Contains(t, err.Error(), c.err)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, c.want != nil, ok)
+			assert.Equal(t, c.want, got)
+		})
+	}
+}
+
+// The vLLM double exports the histogram for the operations it served.
+func TestDoubleExportsUpdateOperationSeconds(t *testing.T) {
+	d, err := double.New(double.Config{DevMode: true, Generation: double.GenC, Backend: double.BackendNCCL})
+	require.NoError(t, err)
+	hs := httptest.NewServer(d.Handler())
+	t.Cleanup(hs.Close)
+	c, err := vllm.New(hs.URL, vllm.Options{Generation: vllm.GenC})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, ok, err := c.UpdateOperationSeconds(ctx)
+	require.NoError(t, err)
+	assert.False(t, ok, "nothing served yet")
+	require.NoError(t, c.StartUpdateSession(ctx, false))
+	require.NoError(t, c.FinishWeightUpdate(ctx, "v1"))
+	got, ok, err := c.UpdateOperationSeconds(ctx)
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.Contains(t, got, "start")
+	assert.Contains(t, got, "finish")
+}

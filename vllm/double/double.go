@@ -169,6 +169,9 @@ type Server struct {
 
 	// started plays the process start time: every New is a new process.
 	started time.Time
+	// ops are the weight-update operations' times, for /metrics.
+	opsMu sync.Mutex
+	ops   map[string]opStat
 
 	ids atomic.Uint64 // response ids
 
@@ -184,7 +187,7 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65)), started: time.Now()}
+	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65)), started: time.Now(), ops: map[string]opStat{}}
 	s.stats = Stats{Requests: map[string]int{}, Prompts: map[string]int{}, Faults: map[string]int{}}
 	s.delivered = map[string]struct{}{}
 	if cfg.ModelPath == "" {

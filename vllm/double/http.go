@@ -41,12 +41,12 @@ func (s *Server) buildRoutes() map[string]*route {
 		"/resume":                      {http.MethodPost, s.resume},
 		"/is_paused":                   {http.MethodGet, s.isPaused},
 		"/get_world_size":              {http.MethodGet, s.worldSize},
-		"/init_weight_transfer_engine": {http.MethodPost, s.initTransfer},
-		"/update_weights":              {http.MethodPost, s.updateWeights},
+		"/init_weight_transfer_engine": {http.MethodPost, s.timed("init", s.initTransfer)},
+		"/update_weights":              {http.MethodPost, s.timed("update", s.updateWeights)},
 	}
 	if s.cfg.Generation != GenB {
-		dev["/start_weight_update"] = &route{http.MethodPost, s.startUpdate}
-		dev["/finish_weight_update"] = &route{http.MethodPost, s.finishUpdate}
+		dev["/start_weight_update"] = &route{http.MethodPost, s.timed("start", s.startUpdate)}
+		dev["/finish_weight_update"] = &route{http.MethodPost, s.timed("finish", s.finishUpdate)}
 		dev["/update_weight_version"] = &route{http.MethodPost, s.updateVersion}
 		dev["/weight_info"] = &route{http.MethodGet, s.weightInfo}
 		dev["/abort_requests"] = &route{http.MethodPost, s.abortRequests}

@@ -7,8 +7,10 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
@@ -38,6 +40,46 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 	fmt.Fprintf(w, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"+
 		"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n", strconv.FormatFloat(start, 'e', -1, 64))
+	// vLLM's weight-update histogram, as its newest builds export it: sum
+	// and count per operation (the double keeps no buckets but +Inf).
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	if len(s.ops) == 0 {
+		return
+	}
+	const name = "vllm:rl_weight_update_operation_duration_seconds"
+	fmt.Fprintf(w, "# HELP %s Duration of weight update operations (TEST DOUBLE).\n# TYPE %s histogram\n", name, name)
+	ops := make([]string, 0, len(s.ops))
+	for op := range s.ops {
+		ops = append(ops, op)
+	}
+	sort.Strings(ops)
+	for _, op := range ops {
+		o := s.ops[op]
+		fmt.Fprintf(w, "%s_bucket{model_name=%q,operation=%q,le=\"+Inf\"} %d\n", name, s.cfg.ModelName, op, o.count)
+		fmt.Fprintf(w, "%s_sum{model_name=%q,operation=%q} %s\n", name, s.cfg.ModelName, op, strconv.FormatFloat(o.sum, 'g', -1, 64))
+		fmt.Fprintf(w, "%s_count{model_name=%q,operation=%q} %d\n", name, s.cfg.ModelName, op, o.count)
+	}
+}
+
+// opStat is one weight-update operation's histogram sum and count.
+type opStat struct {
+	sum   float64
+	count int
+}
+
+// timed records how long h takes under operation op, for /metrics.
+func (s *Server) timed(op string, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		h(w, r)
+		s.opsMu.Lock()
+		o := s.ops[op]
+		o.sum += time.Since(start).Seconds()
+		o.count++
+		s.ops[op] = o
+		s.opsMu.Unlock()
+	}
 }
 
 func (s *Server) version(w http.ResponseWriter, _ *http.Request) {
