@@ -24,6 +24,7 @@ import (
 	"github.com/rlflow/rlflow/workflows"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
 )
 
@@ -99,7 +100,7 @@ func TestBrowserUIShowsTheRun(t *testing.T) {
 
 	t.Run("iteration: timeline of the steps, details table with the score", func(t *testing.T) {
 		child := workflows.IterationWorkflowID(demo.GetID(), 1)
-		desc, err := c.DescribeWorkflowExecution(ctx, child, "")
+		desc, err := describeRaw(ctx, c, child)
 		require.NoError(t, err)
 		page := runs.UIURL(srv.UIURL, "default", child, desc.GetWorkflowExecutionInfo().GetExecution().GetRunId())
 		b.expect(t, "iteration", page, literals(demoSteps...), nil)
@@ -126,7 +127,7 @@ func TestBrowserUIShowsTheRun(t *testing.T) {
 	uiID := "ui-started-" + runs.NewRunID(spec.Name)
 	b.startWorkflowForm(t, srv.UIURL, uiID, queue, workflows.PipelineWorkflow, string(input))
 	testutil.Eventually(t, 30*time.Second, "the run started from the UI form to exist", func() bool {
-		_, err := c.DescribeWorkflowExecution(ctx, uiID, "")
+		_, err := describeRaw(ctx, c, uiID)
 		return err == nil
 	})
 	t.Cleanup(func() { _ = c.CancelWorkflow(context.Background(), uiID, "") })
@@ -139,7 +140,7 @@ func TestBrowserUIShowsTheRun(t *testing.T) {
 
 	t.Run("a paused run's RlflowStatus reads Paused", func(t *testing.T) {
 		b.expect(t, "list-paused", listURL(srv.UIURL, `RlflowStatus = "Paused"`), literals(uiID), nil)
-		desc, err := c.DescribeWorkflowExecution(ctx, uiID, "")
+		desc, err := describeRaw(ctx, c, uiID)
 		require.NoError(t, err)
 		page := runs.UIURL(srv.UIURL, "default", uiID, desc.GetWorkflowExecutionInfo().GetExecution().GetRunId())
 		b.expect(t, "paused", tab(page, "search-attributes"), []*regexp.Regexp{regexp.MustCompile(`"?RlflowStatus"?\s*:?\s*"?Paused\b`)}, nil)
@@ -150,7 +151,7 @@ func TestBrowserUIShowsTheRun(t *testing.T) {
 // logRun logs a run's status and search attributes, for the test's reader.
 func logRun(ctx context.Context, t *testing.T, c client.Client, id string) {
 	t.Helper()
-	desc, err := c.DescribeWorkflowExecution(ctx, id, "")
+	desc, err := describeRaw(ctx, c, id)
 	if err != nil {
 		t.Logf("describing %s: %v", id, err)
 		return
@@ -368,4 +369,13 @@ func (b *browser) startWorkflowForm(t *testing.T, uiBase, id, queue, workflowTyp
 		chromedp.WaitEnabled(chromedp.CSS(`[data-testid="start-workflow-button"]`)),
 		chromedp.Click(chromedp.CSS(`[data-testid="start-workflow-button"]`)),
 	), "submitting the Start Workflow form at %s", page)
+}
+
+// describeRaw is the server's description of a run (its latest run).
+func describeRaw(ctx context.Context, c client.Client, id string) (*workflowservice.DescribeWorkflowExecutionResponse, error) {
+	d, err := c.DescribeWorkflow(ctx, id, "")
+	if err != nil {
+		return nil, err
+	}
+	return d.RawResponse, nil
 }
