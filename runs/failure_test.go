@@ -104,6 +104,7 @@ func TestFormatValue(t *testing.T) {
 		{true, "true"},
 		{nil, "null"},
 		{[]any{1.0, "x"}, `[1,"x"]`},
+		{map[string]any{"update": 0.00024675999999999995, "init": 0.0, "runs": []any{0.6000000000000001}}, `{"init":0,"runs":[0.6],"update":0.00024676}`},
 	} {
 		assert.Equal(t, tc.want, FormatValue(tc.in), "%#v", tc.in)
 	}

@@ -282,11 +282,33 @@ func FormatValue(v any) string {
 	case nil:
 		return "null"
 	}
-	b, err := json.Marshal(v)
+	b, err := json.Marshal(roundFloats(v))
 	if err != nil {
 		return fmt.Sprint(v)
 	}
 	return string(b)
+}
+
+// roundFloats is v with every float inside its maps and lists rounded as
+// FormatValue rounds one (json.Number keeps the printed digits).
+func roundFloats(v any) any {
+	switch v := v.(type) {
+	case float64:
+		return json.Number(formatFloat(v, 64))
+	case map[string]any:
+		out := make(map[string]any, len(v))
+		for k, x := range v {
+			out[k] = roundFloats(x)
+		}
+		return out
+	case []any:
+		out := make([]any, len(v))
+		for i, x := range v {
+			out[i] = roundFloats(x)
+		}
+		return out
+	}
+	return v
 }
 
 func formatFloat(v float64, bits int) string {
