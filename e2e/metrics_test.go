@@ -29,15 +29,7 @@ func TestMetricsOfTheDemo(t *testing.T) {
 	d := startDouble(t, double.Faults{})
 	srv := testutil.DevServer(t)
 	bin := testutil.RlflowBinary(t)
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = iterations
-	spec.Servers = []pipelines.Server{{URL: d.URL}}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
+	spec, params, work := demoSpec(t, bin, iterations, d.URL)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()

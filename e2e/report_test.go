@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/testutil"
-	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
@@ -26,16 +25,8 @@ import (
 func runDemoChain(t *testing.T, address string, iterations, every int, d *rlhfDouble) (*workflows.PipelineResult, string) {
 	t.Helper()
 	bin := testutil.RlflowBinary(t)
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = iterations
+	spec, params, work := demoSpec(t, bin, iterations, d.URL)
 	spec.Loop.ContinueAsNewEvery = every
-	spec.Servers = []pipelines.Server{{URL: d.URL}}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()

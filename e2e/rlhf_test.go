@@ -54,18 +54,11 @@ func runDemo(t *testing.T, iterations int, ds ...*rlhfDouble) (*workflows.Pipeli
 	t.Helper()
 	srv := testutil.DevServer(t)
 	bin := testutil.RlflowBinary(t)
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = iterations
-	spec.Servers = nil
-	for _, d := range ds {
-		spec.Servers = append(spec.Servers, pipelines.Server{URL: d.URL})
+	urls := make([]string, len(ds))
+	for i, d := range ds {
+		urls[i] = d.URL
 	}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
+	spec, params, work := demoSpec(t, bin, iterations, urls...)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	t.Cleanup(cancel)
@@ -171,4 +164,24 @@ func TestDevRunsTheRLHFDemo(t *testing.T) {
 	assert.Regexp(t, `after +"the cat " -> `, text)
 	assert.Regexp(t, `eval score by iteration: 1: [0-9.]+, 2: [0-9.]+, 3: [0-9.]+`, text)
 	assert.Contains(t, text, "succeeded: 3 iteration(s)")
+}
+
+// demoSpec is the demo pipeline (pipelines/examples/rlhf-demo.yaml) in a
+// fresh work directory with its example data, against the servers at urls,
+// for iterations, and its launch params resolved for the rlflow binary bin.
+func demoSpec(t *testing.T, bin string, iterations int, urls ...string) (spec *pipelines.Pipeline, params map[string]any, work string) {
+	t.Helper()
+	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
+	require.NoError(t, err)
+	work = t.TempDir()
+	require.NoError(t, pipelines.CopyExampleData(work))
+	spec.BaseDir = work
+	spec.Loop.Iterations = iterations
+	spec.Servers = nil
+	for _, u := range urls {
+		spec.Servers = append(spec.Servers, pipelines.Server{URL: u})
+	}
+	params, err = spec.ResolveParams(map[string]string{"rlflow": bin})
+	require.NoError(t, err)
+	return spec, params, work
 }

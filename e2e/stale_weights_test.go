@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/testutil"
-	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
@@ -97,15 +96,7 @@ func demoRun(t *testing.T, d *restartableDouble, disturb func(ctx context.Contex
 	t.Helper()
 	srv := testutil.DevServer(t)
 	bin := testutil.RlflowBinary(t)
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = 2
-	spec.Servers = []pipelines.Server{{URL: d.URL}}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
+	spec, params, work := demoSpec(t, bin, 2, d.URL)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()

@@ -18,7 +18,6 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/internal/testutil"
-	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
@@ -70,15 +69,7 @@ func TestBrowserUIShowsTheRun(t *testing.T) {
 	t.Cleanup(c.Close)
 
 	d := startDouble(t, double.Faults{})
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = 2
-	spec.Servers = []pipelines.Server{{URL: d.URL}}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
+	spec, params, work := demoSpec(t, bin, 2, d.URL)
 	queue := "ui-" + t.Name()
 	startWorker(t, bin, srv.Address, queue, filepath.Join(work, "logs"), "--data-dir", filepath.Join(work, "data"), "--roots", work, "--metrics-address", "127.0.0.1:0")
 

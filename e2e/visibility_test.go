@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/testutil"
-	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/workflows"
@@ -28,16 +27,8 @@ func TestVisibilityOfARunStartedFromTheUI(t *testing.T) {
 	srv := testutil.DevServer(t)
 	bin := testutil.RlflowBinary(t)
 	d := startDouble(t, double.Faults{})
-	spec, err := pipelines.LoadFile(filepath.Join(testutil.ModuleRoot(), "pipelines/examples/rlhf-demo.yaml"))
-	require.NoError(t, err)
+	spec, params, work := demoSpec(t, bin, 2, d.URL)
 	require.NotNil(t, spec.Metrics, "rlhf-demo declares its headline metric")
-	work := t.TempDir()
-	require.NoError(t, pipelines.CopyExampleData(work))
-	spec.BaseDir = work
-	spec.Loop.Iterations = 2
-	spec.Servers = []pipelines.Server{{URL: d.URL}}
-	params, err := spec.ResolveParams(map[string]string{"rlflow": bin})
-	require.NoError(t, err)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	t.Cleanup(cancel)
