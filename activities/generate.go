@@ -364,29 +364,15 @@ feed:
 // and loses at most that much work; a stale server or a failed check
 // stops the run.
 func (g *genRun) watch(ctx context.Context, emit func(record), stop context.CancelCauseFunc) func() {
-	quit := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(g.a.heartbeatEvery(ctx))
-		defer t.Stop()
-		for {
-			select {
-			case <-quit:
-				return
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			stale, err := g.checkAll(ctx, emit)
-			switch {
-			case err != nil:
-				stop(err)
-			case len(stale) > 0:
-				stop(errStale)
-			}
+	return g.a.everyHeartbeat(ctx, func() {
+		stale, err := g.checkAll(ctx, emit)
+		switch {
+		case err != nil:
+			stop(err)
+		case len(stale) > 0:
+			stop(errStale)
 		}
 	})
-	return func() { close(quit); wg.Wait() }
 }
 
 // sample generates sample k of prompt idx on the next server in turn and

@@ -48,6 +48,13 @@ func (a *Activities) heartbeatLoop(ctx context.Context, beat func()) (stop func(
 	if !activity.IsActivity(ctx) {
 		return func() {}
 	}
+	return a.everyHeartbeat(ctx, beat)
+}
+
+// everyHeartbeat calls fn every heartbeatEvery until the returned stop (or
+// ctx's end); stop waits for a call in progress. It runs outside an
+// activity too (generate's weight checks).
+func (a *Activities) everyHeartbeat(ctx context.Context, fn func()) (stop func()) {
 	quit := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -60,7 +67,7 @@ func (a *Activities) heartbeatLoop(ctx context.Context, beat func()) (stop func(
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				beat()
+				fn()
 			}
 		}
 	})
