@@ -2,12 +2,9 @@ package e2e
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -42,7 +39,7 @@ func TestHostileSpecInputs(t *testing.T) {
 	srv := testutil.DevServer(t)
 	bin := testutil.RlflowBinary(t)
 	dir := t.TempDir()
-	envSecret, fileSecret := hostileToken(t, "env-"), hostileToken(t, "file-")
+	envSecret, fileSecret := randomSecret(t, "sk-env-"), randomSecret(t, "sk-file-")
 	secretFile := filepath.Join(dir, "trainer.env")
 	require.NoError(t, os.WriteFile(secretFile, []byte("HF_TOKEN="+fileSecret+"\n"), 0o600))
 	pwned := filepath.Join(dir, "pwned")
@@ -248,12 +245,4 @@ func historyWithPayloads(t *testing.T, events []*historypb.HistoryEvent) string 
 		sb.Write(data)
 	}
 	return sb.String()
-}
-
-func hostileToken(t *testing.T, prefix string) string {
-	t.Helper()
-	var b [12]byte
-	_, err := rand.Read(b[:])
-	require.NoError(t, err)
-	return fmt.Sprintf("sk-%s%s", prefix, hex.EncodeToString(b[:]))
 }
