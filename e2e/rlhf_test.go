@@ -4,13 +4,11 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
 
-	"github.com/rlflow/rlflow/devserver"
 	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
@@ -140,13 +138,7 @@ func TestRLHFDemoFailedBroadcastLeavesDoublesResumed(t *testing.T) {
 // server, worker and double, the RLHF demo for 3 iterations, the samples
 // and scores printed per iteration, exit status 0.
 func TestDevRunsTheRLHFDemo(t *testing.T) {
-	temporal, err := devserver.FindTemporal("")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatalf("CI needs the Temporal CLI: %v", err)
-		}
-		t.Skipf("needs the Temporal dev server: %v", err)
-	}
+	temporal := testutil.TemporalCLI(t)
 	bin := testutil.RlflowBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()

@@ -49,13 +49,7 @@ var demoSteps = []string{
 // $RLFLOW_TEST_OUT, or to a directory the test logs.
 func TestBrowserUIShowsTheRun(t *testing.T) {
 	chrome := findChromium(t)
-	temporal, err := devserver.FindTemporal("")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatalf("CI needs the Temporal CLI: %v", err)
-		}
-		t.Skipf("needs the Temporal dev server: %v", err)
-	}
+	temporal := testutil.TemporalCLI(t)
 	shots := screenshotDir(t)
 	bin := testutil.RlflowBinary(t)
 

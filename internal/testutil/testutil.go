@@ -26,7 +26,7 @@ import (
 // by skipping.
 func DevServer(t testing.TB) *devserver.Server {
 	t.Helper()
-	bin := temporalCLI(t)
+	bin := TemporalCLI(t)
 	srv, err := devserver.Start(context.Background(), devserver.Options{TemporalPath: bin})
 	if err != nil {
 		t.Fatal(err)
@@ -35,9 +35,9 @@ func DevServer(t testing.TB) *devserver.Server {
 	return srv
 }
 
-// temporalCLI finds the Temporal CLI; without it the test skips, saying
+// TemporalCLI finds the Temporal CLI; without it the test skips, saying
 // how to get it, except under CI (CI=true), where that is a failure.
-func temporalCLI(t testing.TB) string {
+func TemporalCLI(t testing.TB) string {
 	t.Helper()
 	bin, err := devserver.FindTemporal("")
 	if err != nil {
@@ -67,7 +67,7 @@ type Outage struct {
 // restart; it skips (or fails under CI) like DevServer.
 func RestartableDevServer(t testing.TB) *Outage {
 	t.Helper()
-	o := &Outage{t: t, bin: temporalCLI(t), db: filepath.Join(t.TempDir(), "temporal.db"),
+	o := &Outage{t: t, bin: TemporalCLI(t), db: filepath.Join(t.TempDir(), "temporal.db"),
 		Address: "127.0.0.1:" + strconv.Itoa(FreePort(t))}
 	o.Up()
 	t.Cleanup(func() { o.Down() })
