@@ -2,6 +2,7 @@ package ncclid
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"math/rand/v2"
 	"os"
@@ -105,10 +106,44 @@ func TestUnpickleErrors(t *testing.T) {
 	}
 	// Every single-byte change outside the id and the protocol byte is rejected.
 	for off := range good {
-		if off == 1 || (off >= idOffset && off < idOffset+Size) {
+		if off == 1 || (off >= 111 && off < 111+Size) {
 			continue
 		}
 		if _, err := Unpickle(mut(off, good[off]^0x01)); err == nil {
+			t.Fatalf("offset %d: flipped byte accepted", off)
+		}
+	}
+}
+
+func TestBackendsLayout(t *testing.T) {
+	b, err := PickleIn(goldenID(), BackendsModulePath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) != 256 || len(BackendsModulePath) != 61 {
+		t.Fatalf("backends pickle is %d bytes (module %d), want 256 (61)", len(b), len(BackendsModulePath))
+	}
+	if got := binary.LittleEndian.Uint64(b[3:11]); got != 245 {
+		t.Fatalf("frame length %d, want 245", got)
+	}
+	id, mod, err := UnpickleModule(b)
+	if err != nil || id != goldenID() || mod != BackendsModulePath {
+		t.Fatalf("UnpickleModule = %q, %v", mod, err)
+	}
+	if _, mod, _ := UnpickleModule(Pickle(goldenID())); mod != ModulePath {
+		t.Fatalf("legacy module = %q", mod)
+	}
+	if _, err := PickleIn(goldenID(), "vllm.pynccl_wrapper"); err == nil || !strings.Contains(err.Error(), "not where vLLM keeps") {
+		t.Fatalf("unknown module: %v", err)
+	}
+	// Every single-byte change outside the id and the protocol byte is rejected.
+	for off := range b {
+		if off == 1 || (off >= 120 && off < 120+Size) {
+			continue
+		}
+		m := bytes.Clone(b)
+		m[off] ^= 0x01
+		if _, err := Unpickle(m); err == nil {
 			t.Fatalf("offset %d: flipped byte accepted", off)
 		}
 	}
@@ -169,9 +204,24 @@ func python(t *testing.T) string {
 func TestCPython(t *testing.T) {
 	py := python(t)
 	script := testutil.RepoFile(t, "tests/gpu/check_pickle.py")
+	for _, module := range Modules {
+		t.Run(module, func(t *testing.T) { checkCPython(t, py, script, module) })
+	}
+}
+
+func checkCPython(t *testing.T, py, script, module string) {
+	pickleOf := func(id ID) []byte {
+		b, err := PickleIn(id, module)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
 	run := func(args ...string) string {
 		t.Helper()
-		out, err := exec.Command(py, append([]string{script}, args...)...).CombinedOutput()
+		cmd := exec.Command(py, append([]string{script}, args...)...)
+		cmd.Env = append(os.Environ(), "CHECK_PICKLE_MODULE="+module)
+		out, err := cmd.CombinedOutput()
 		if err != nil {
 			t.Fatalf("check_pickle.py %s: %v\n%s", args[0], err, out)
 		}
@@ -194,7 +244,7 @@ func TestCPython(t *testing.T) {
 	for _, id := range ids {
 		idHex := hex.EncodeToString(id[:])
 		// (a) Python loads what Go pickled.
-		if out := run("loads", hex.EncodeToString(Pickle(id)), idHex); !strings.HasPrefix(out, "PASS") {
+		if out := run("loads", hex.EncodeToString(pickleOf(id)), idHex); !strings.HasPrefix(out, "PASS") {
 			t.Fatalf("loads: %s", out)
 		}
 		// (b) Go reads, byte for byte, what Python pickled.
@@ -204,11 +254,11 @@ func TestCPython(t *testing.T) {
 			if err != nil {
 				t.Fatalf("dumps output %q: %v", pyHex, err)
 			}
-			got, err := Unpickle(blob)
-			if err != nil || got != id {
-				t.Fatalf("Unpickle(python protocol %s) = %v", proto, err)
+			got, mod, err := UnpickleModule(blob)
+			if err != nil || got != id || mod != module {
+				t.Fatalf("UnpickleModule(python protocol %s) = %q, %v", proto, mod, err)
 			}
-			want := Pickle(id)
+			want := pickleOf(id)
 			want[1] = blob[1]
 			if !bytes.Equal(blob, want) {
 				t.Fatalf("python protocol %s pickle differs:\n py %x\n go %x", proto, blob, want)
