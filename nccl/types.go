@@ -30,38 +30,69 @@ type UniqueID [UniqueIDBytes]byte
 // DataType is ncclDataType_t. The values are NCCL's wire-stable enum.
 type DataType int
 
-// The NCCL data types (spec section 3).
+// The NCCL data types (spec section 3). The two fp8 types exist from NCCL
+// 2.24 on (see MinVersion); an older library refuses them.
 const (
-	Int8     DataType = 0
-	Uint8    DataType = 1
-	Int32    DataType = 2
-	Uint32   DataType = 3
-	Int64    DataType = 4
-	Uint64   DataType = 5
-	Float16  DataType = 6
-	Float32  DataType = 7
-	Float64  DataType = 8
-	Bfloat16 DataType = 9
+	Int8       DataType = 0
+	Uint8      DataType = 1
+	Int32      DataType = 2
+	Uint32     DataType = 3
+	Int64      DataType = 4
+	Uint64     DataType = 5
+	Float16    DataType = 6
+	Float32    DataType = 7
+	Float64    DataType = 8
+	Bfloat16   DataType = 9
+	Float8e4m3 DataType = 10
+	Float8e5m2 DataType = 11
 )
 
+// Float8MinVersion is the first NCCL release with Float8e4m3 and
+// Float8e5m2, in ncclGetVersion's encoding (2.24.0).
+const Float8MinVersion = 22400
+
 var dataTypeInfo = [...]struct {
-	name string
-	size int
+	name       string
+	size       int
+	minVersion int // 0: in every NCCL 2
 }{
-	Int8:     {"ncclInt8", 1},
-	Uint8:    {"ncclUint8", 1},
-	Int32:    {"ncclInt32", 4},
-	Uint32:   {"ncclUint32", 4},
-	Int64:    {"ncclInt64", 8},
-	Uint64:   {"ncclUint64", 8},
-	Float16:  {"ncclFloat16", 2},
-	Float32:  {"ncclFloat32", 4},
-	Float64:  {"ncclFloat64", 8},
-	Bfloat16: {"ncclBfloat16", 2},
+	Int8:       {"ncclInt8", 1, 0},
+	Uint8:      {"ncclUint8", 1, 0},
+	Int32:      {"ncclInt32", 4, 0},
+	Uint32:     {"ncclUint32", 4, 0},
+	Int64:      {"ncclInt64", 8, 0},
+	Uint64:     {"ncclUint64", 8, 0},
+	Float16:    {"ncclFloat16", 2, 0},
+	Float32:    {"ncclFloat32", 4, 0},
+	Float64:    {"ncclFloat64", 8, 0},
+	Bfloat16:   {"ncclBfloat16", 2, 0},
+	Float8e4m3: {"ncclFloat8e4m3", 1, Float8MinVersion},
+	Float8e5m2: {"ncclFloat8e5m2", 1, Float8MinVersion},
 }
 
-// Valid reports whether d is one of the ten NCCL data types above.
+// Valid reports whether d is one of the twelve NCCL data types above
+// (whether the loaded library has it is MinVersion's question).
 func (d DataType) Valid() bool { return d >= 0 && int(d) < len(dataTypeInfo) }
+
+// MinVersion is the first NCCL version (ncclGetVersion's number) that has
+// d: 0 for the types of every NCCL 2, Float8MinVersion for the fp8 types,
+// 0 for an invalid type.
+func (d DataType) MinVersion() int {
+	if !d.Valid() {
+		return 0
+	}
+	return dataTypeInfo[d].minVersion
+}
+
+// VersionString spells ncclGetVersion's number as NCCL does ("2.28.3"):
+// major*10000 + minor*100 + patch from 2.9 on, major*1000 + minor*100 +
+// patch before.
+func VersionString(v int) string {
+	if v >= 10000 {
+		return fmt.Sprintf("%d.%d.%d", v/10000, v/100%100, v%100)
+	}
+	return fmt.Sprintf("%d.%d.%d", v/1000, v/100%10, v%100)
+}
 
 // Size is the element size in bytes (0 for an invalid type).
 func (d DataType) Size() int {

@@ -15,7 +15,13 @@
 //   - NonPacked emits one broadcast per tensor, zero-size ones included (vLLM
 //     issues those too), with the NCCL data type vLLM's
 //     ncclDataTypeEnum.from_torch maps the dtype to; the dtypes it does not
-//     map are an error here rather than a 500 (and a hung broadcast) there.
+//     map are an error here rather than a 500 (and a hung broadcast) there,
+//     and so is a type the loaded NCCL lacks (CheckNCCLVersion: fp8 needs
+//     NCCL 2.24).
+//   - A packed layout is what vLLM's receiver can unpack (CheckPackedReceivable):
+//     it views each tensor in its uint8 chunk by byte offset, dtype, then
+//     shape, which fails for a 0-dim tensor and for an offset that is not a
+//     multiple of the dtype's item size.
 package plan
 
 import (
@@ -23,6 +29,7 @@ import (
 	"math"
 	"math/bits"
 	"slices"
+	"strings"
 
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
@@ -125,21 +132,29 @@ func Packed(tensors []Tensor, threshold int64) []PackedChunk {
 // type each non-packed broadcast carries.
 type DataType = nccl.DataType
 
-// vllmDataTypes is vLLM's ncclDataTypeEnum.from_torch: eight dtypes. NCCL
-// also has Uint32 and Uint64, but a vLLM worker raises on them.
-var vllmDataTypes = map[string]DataType{
-	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
-	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
+// vllmDataTypes is vLLM's ncclDataTypeEnum.from_torch, in its order: nine
+// dtypes. NCCL also has Uint32, Uint64 and Float8e5m2, but a vLLM worker
+// raises on them (as on float8_e5m2, float8_e8m0fnu and every other dtype).
+var vllmDataTypes = []struct {
+	torch string
+	nccl  DataType
+}{
+	{"int8", nccl.Int8}, {"uint8", nccl.Uint8}, {"int32", nccl.Int32}, {"int64", nccl.Int64},
+	{"float16", nccl.Float16}, {"float32", nccl.Float32}, {"float64", nccl.Float64}, {"bfloat16", nccl.Bfloat16},
+	{"float8_e4m3fn", nccl.Float8e4m3},
 }
 
 // NCCLDataType maps a torch dtype name to the NCCL type a vLLM worker
 // broadcasts it with.
 func NCCLDataType(torchDType string) (DataType, error) {
-	d, ok := vllmDataTypes[torchDType]
-	if !ok {
-		return 0, fmt.Errorf("plan: dtype %q has no NCCL type in vLLM's non-packed path (only int8, uint8, int32, int64, float16, float32, float64, bfloat16); use packed transfer", torchDType)
+	names := make([]string, len(vllmDataTypes))
+	for i, m := range vllmDataTypes {
+		if m.torch == torchDType {
+			return m.nccl, nil
+		}
+		names[i] = m.torch
 	}
-	return d, nil
+	return 0, fmt.Errorf("plan: dtype %q has no NCCL type in vLLM's non-packed path (only %s); use packed transfer", torchDType, strings.Join(names, ", "))
 }
 
 // Broadcast is one non-packed ncclBroadcast.

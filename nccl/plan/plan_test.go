@@ -245,6 +245,7 @@ func TestNonPacked(t *testing.T) {
 		{Name: "f", DType: "int32", Shape: []int64{2}, Size: 8},
 		{Name: "g", DType: "float16", Shape: []int64{3}, Size: 6},
 		{Name: "h", DType: "float64", Shape: []int64{1}, Size: 8},
+		{Name: "i", DType: "float8_e4m3fn", Shape: []int64{3, 5}, Size: 15},
 	}
 	got, err := NonPacked(ts)
 	if err != nil {
@@ -253,13 +254,16 @@ func TestNonPacked(t *testing.T) {
 	want := []Broadcast{
 		{0, nccl.Bfloat16, 6, 12}, {1, nccl.Float32, 1, 4}, {2, nccl.Int64, 0, 0}, {3, nccl.Uint8, 5, 5},
 		{4, nccl.Int8, 1, 1}, {5, nccl.Int32, 2, 8}, {6, nccl.Float16, 3, 6}, {7, nccl.Float64, 1, 8},
+		{8, nccl.Float8e4m3, 15, 15}, // vLLM maps float8_e4m3fn to ncclFloat8e4m3 (10); count = bytes
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("NonPacked = %+v", got)
 	}
-	for _, d := range []string{"uint32", "uint64", "int16", "uint16", "bool", "float8_e4m3fn", "complex64", "nonsense"} {
+	// vLLM raises on every other dtype, the other fp8 formats included.
+	for _, d := range []string{"uint32", "uint64", "int16", "uint16", "bool", "float8_e5m2", "float8_e8m0fnu", "complex64", "nonsense"} {
 		_, err := NonPacked([]Tensor{{Name: "x", DType: d, Shape: []int64{1}, Size: 8}})
-		if err == nil || !strings.Contains(err.Error(), `tensor "x"`) || !strings.Contains(err.Error(), d) {
+		if err == nil || !strings.Contains(err.Error(), `tensor "x"`) || !strings.Contains(err.Error(), d) ||
+			!strings.Contains(err.Error(), "(only int8, uint8, int32, int64, float16, float32, float64, bfloat16, float8_e4m3fn); use packed transfer") {
 			t.Errorf("dtype %s: %v", d, err)
 		}
 	}
@@ -267,7 +271,7 @@ func TestNonPacked(t *testing.T) {
 		t.Error("ragged size accepted")
 	}
 	// The enum values are nccl.h's.
-	enum := map[DataType]int{nccl.Int8: 0, nccl.Uint8: 1, nccl.Int32: 2, nccl.Uint32: 3, nccl.Int64: 4, nccl.Uint64: 5, nccl.Float16: 6, nccl.Float32: 7, nccl.Float64: 8, nccl.Bfloat16: 9}
+	enum := map[DataType]int{nccl.Int8: 0, nccl.Uint8: 1, nccl.Int32: 2, nccl.Uint32: 3, nccl.Int64: 4, nccl.Uint64: 5, nccl.Float16: 6, nccl.Float32: 7, nccl.Float64: 8, nccl.Bfloat16: 9, nccl.Float8e4m3: 10}
 	for d, v := range enum {
 		if int(d) != v {
 			t.Errorf("%v = %d, want %d", d, int(d), v)
