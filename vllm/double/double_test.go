@@ -413,7 +413,9 @@ func TestOpenAIShapes(t *testing.T) {
 	for body, want := range map[string]string{
 		`{"model":"x","prompt":"a"}`:                       "The model `x` does not exist.",
 		`{"model":"m","prompt":"a","max_tokens":100}`:      "maximum context length is 64 tokens",
-		`{"model":"m","prompt":"a","bogus":1}`:             `unknown field`,
+		`{"model":"m","prompt":"a","max_tokens":"9"}`:      "invalid request body: max_tokens: got a JSON string, want integer",
+		`{"model":"m","prompt":"a","temperature":true}`:    "invalid request body: temperature: got a JSON bool, want number",
+		`["m"]`: "invalid request body: want a JSON object, got a JSON array",
 		`{"model":"m","prompt":"a","stream":true}`:         "stream=true is not supported",
 		`{"model":"m","prompt":"a","n":0}`:                 "n must be in 1..128",
 		`{"model":"m","prompt":[300]}`:                     "token id 300 out of vocabulary",

@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"reflect"
 	"strings"
 	"sync"
 	"time"
@@ -36,10 +38,11 @@ type sampling struct {
 	topLogprobs int
 }
 
-// completionBody is /v1/completions' request: every field go-openai may
-// send is known; an unknown field is a 400 (vLLM would ignore it: the
-// double is stricter to catch client bugs). Unsupported features are
-// refused rather than ignored.
+// completionBody is /v1/completions' request: the fields go-openai may
+// send. An unknown field is ignored, as vLLM's protocol models ignore
+// extra fields (they log a warning); a known field of the wrong type or
+// out of range is a 400 naming it, as vLLM's validation is. Features the
+// double does not implement are refused rather than ignored.
 type completionBody struct {
 	Model            string             `json:"model"`
 	Prompt           json.RawMessage    `json:"prompt"`
@@ -123,21 +126,50 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	}}})
 }
 
-// decodeStrict decodes an OpenAI body, refusing unknown fields (400).
-func (s *Server) decodeStrict(w http.ResponseWriter, r *http.Request, v any) error {
+// decodeBody decodes an OpenAI body as vLLM does: unknown fields are
+// ignored; bad JSON, a non-object body or a known field of the wrong JSON
+// type is a 400 naming the field.
+func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) error {
 	body, err := s.readBody(w, r)
 	if err != nil {
 		return err
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
+		var te *json.UnmarshalTypeError
+		switch {
+		case errors.As(err, &te) && te.Field != "":
+			return badRequest("invalid request body: %s: got a JSON %s, want %s", te.Field, te.Value, jsonKind(te.Type))
+		case errors.As(err, &te):
+			return badRequest("invalid request body: want a JSON object, got a JSON %s", te.Value)
+		}
 		return badRequest("invalid request body: %v", err)
 	}
 	if dec.More() {
 		return badRequest("invalid request body: trailing data after the JSON object")
 	}
 	return nil
+}
+
+// jsonKind names the JSON a Go field type takes, for error messages.
+func jsonKind(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "string"
+	case reflect.Bool:
+		return "boolean"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "integer"
+	case reflect.Float32, reflect.Float64:
+		return "number"
+	case reflect.Slice, reflect.Array:
+		return "list"
+	}
+	return "object"
 }
 
 func (s *Server) checkModel(model string) error {
@@ -265,7 +297,7 @@ type reply struct {
 }
 
 // serveJSON answers an OpenAI API request: the API key, the body decoded
-// strictly into a B, then answer's reply; a client that went away gets
+// into a B (decodeBody), then answer's reply; a client that went away gets
 // nothing. The reply's samples count as delivered once the whole response
 // is flushed to the connection.
 func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer func(context.Context, *B) (*reply, error)) {
@@ -273,7 +305,7 @@ func serveJSON[B any](s *Server, w http.ResponseWriter, r *http.Request, answer 
 		return
 	}
 	var body B
-	if err := s.decodeStrict(w, r, &body); err != nil {
+	if err := s.decodeBody(w, r, &body); err != nil {
 		fail(w, err)
 		return
 	}
