@@ -184,7 +184,7 @@ func ncclInitInfo(g Generation) dataclass {
 		{"rank_offset", kInt, true},
 		{"world_size", kInt, true},
 	}}
-	if g == GenD {
+	if g.packedInInit() {
 		// The id may replace the TCPStore address, so neither is required
 		// by the class itself; the handler checks that one of them is there.
 		d.fields[0].required, d.fields[1].required = false, false
@@ -200,7 +200,7 @@ func ncclUpdateInfo(g Generation) dataclass {
 		{"dtype_names", kStrList, true},
 		{"shapes", kShapes, true},
 	}}
-	if g != GenD {
+	if !g.packedInInit() {
 		d.fields = append(d.fields, packedFields...)
 	}
 	return d

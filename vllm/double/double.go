@@ -1,25 +1,41 @@
 // Package double is a TEST AND DEMO DOUBLE of a vLLM server: it speaks the
 // HTTP contract of `vllm serve` with VLLM_SERVER_DEV_MODE=1 (the RLHF
-// weight-transfer routes of API generations B, C and D, pause/resume, the
-// OpenAI completions and chat API), with vLLM's status codes and strict
-// payload validation, so that rlflow can be tested and demonstrated on
-// machines without a GPU. It is not an inference engine: its model is a
-// character bigram table (package bigram) whose samples visibly change when
-// new weights arrive.
+// weight-transfer routes of API generations B, C, D and E, pause/resume,
+// the checkpoint reload through /collective_rpc, /server_info, the OpenAI
+// completions and chat API), with vLLM's status codes and payload
+// validation, so that rlflow can be tested and demonstrated on machines
+// without a GPU. It is not an inference engine: its model is a character
+// bigram table (package bigram) whose samples visibly change when new
+// weights arrive. Where the double and stock vLLM differ, stock vLLM is
+// right (shared docs: vllm-weight-transfer.md, section 8 first).
 //
 // Invariants:
 //   - Only the routes of the configured generation exist (others are 404,
 //     a wrong method on an existing route is 405, as in FastAPI); without
-//     DevMode every RLHF route is 404.
-//   - An unknown key anywhere in a weight-transfer body is a 500 with a
-//     message like the TypeError vLLM's dataclasses raise; a missing body,
-//     bad JSON or a missing init_info/update_info is a 400.
-//   - C/D session rules hold: update_weights needs an open session, a second
-//     start while one is open fails, finish needs an open session, and the
-//     disk backend takes exactly one checkpoint per session.
-//   - The disk backend really loads the checkpoint; the NCCL backend really
-//     performs a worker's TCPStore rendezvous with the trainer, but has no
-//     NCCL data plane unless Config.NCCLReceiver supplies one.
+//     DevMode every RLHF route, /collective_rpc and /server_info are 404.
+//   - Weight-transfer bodies: bad JSON or a missing init_info/update_info
+//     is a 400 on every generation. On B-D a non-object body or info is a
+//     500 (Python fails on it inside the handler or the worker); E's router
+//     validates shapes first, so there they are 400. An unknown key inside
+//     a payload is a 500 like the TypeError vLLM's dataclasses raise, on
+//     every generation; so is every error raised in a worker.
+//   - C/D/E session rules hold: update_weights needs an open session, a
+//     second start while one is open fails, finish needs an open session,
+//     and the disk backend takes exactly one checkpoint per session. On E
+//     a failed update_weights (any 500) closes the session; on C/D the
+//     session stays open.
+//   - E takes update_info as a list with one payload per inference worker
+//     (WorldSize x DataParallel); the double has one model, so the entries
+//     must be equal (a double limitation, answered 500).
+//   - The disk backend (the draft of vLLM pull request #52152, not stock)
+//     and /collective_rpc reload_weights really load the checkpoint; the
+//     NCCL backend really performs a worker's TCPStore rendezvous with the
+//     trainer, but has no NCCL data plane unless Config.NCCLReceiver
+//     supplies one. The pickled NCCL id may name the vllm.backends module
+//     only on E.
+//   - reload_weights bypasses the weight-transfer session and the version;
+//     while the workers' load format is dummy it redraws the dummy weights
+//     instead of loading the checkpoint, and still answers 200.
 //   - Everything is bounded: request bodies, prompts per request, samples,
 //     tokens, rendezvous time; no input makes it panic.
 package double
@@ -47,12 +63,39 @@ const (
 	GenB Generation = "B"
 	GenC Generation = "C"
 	GenD Generation = "D"
+	// GenE is the newest generation (stock vLLM of December 2026): routes
+	// and payloads as D, a router that validates body shapes first (400),
+	// update_info as an object or a per-worker list, sessions a failed
+	// update closes, the vllm.backends module layout.
+	GenE Generation = "E"
 )
+
+// packedInInit: the packed settings (and nccl_unique_id_b64) are init_info
+// fields from D on; before, packed settings are update_info fields.
+func (g Generation) packedInInit() bool { return g == GenD || g == GenE }
+
+// routerValidates: E's router answers 400 for a body of the wrong shape
+// before the engine sees it; older routers let Python fail later (500).
+func (g Generation) routerValidates() bool { return g == GenE }
+
+// closesFailedSession: on E a worker whose update_weights failed closes
+// its session itself.
+func (g Generation) closesFailedSession() bool { return g == GenE }
+
+// backendsLayout: E's source tree moved pynccl_wrapper under
+// vllm.backends and resolves the legacy module through a compat shim.
+func (g Generation) backendsLayout() bool { return g == GenE }
 
 // Backends (vLLM's --weight-transfer-config backend).
 const (
 	BackendDisk = "disk"
 	BackendNCCL = "nccl"
+)
+
+// Load formats (vLLM's --load-format) the double knows.
+const (
+	LoadFormatAuto  = "auto"
+	LoadFormatDummy = "dummy" // random weights; ModelPath is not read
 )
 
 // Defaults.
@@ -67,9 +110,21 @@ const (
 // server with the RLHF routes off (DevMode false), as `vllm serve` is
 // without VLLM_SERVER_DEV_MODE=1.
 type Config struct {
-	Generation Generation // B, C or D; "" means D
-	Backend    string     // "disk" or "nccl"; "" means disk (B needs nccl)
-	DevMode    bool       // false: every RLHF route answers 404
+	Generation Generation // B, C, D or E; "" means D
+	// Backend is "disk" or "nccl". "" means disk on C and D (the double's
+	// long-standing default) and nccl on B (which has no disk backend) and
+	// on E (stock vLLM has no disk backend: it exists only in the unmerged
+	// vLLM pull request #52152; stock reloads go through /collective_rpc).
+	Backend string
+	DevMode bool // false: every RLHF route answers 404
+
+	// LoadFormat is vLLM's --load-format: "auto" (default) loads ModelPath;
+	// "dummy" starts with random weights even when ModelPath is set, and
+	// reload_weights then redraws them (vLLM's DummyModelLoader) until an
+	// update_config sets the workers' load format to auto.
+	LoadFormat string
+	// NoWeightChecker mirrors routers without POST /weight_checker (404).
+	NoWeightChecker bool
 
 	WorldSize    int // TP×PP of the one replica; default 1
 	DataParallel int // DP replicas; default 1 (get_world_size?include_dp multiplies)
@@ -169,9 +224,11 @@ type Server struct {
 
 	// started plays the process start time: every New is a new process.
 	started time.Time
-	// ops are the weight-update operations' times, for /metrics.
-	opsMu sync.Mutex
-	ops   map[string]opStat
+	// ops are the weight-update operations' times and inFlight the calls
+	// of each running now, for /metrics.
+	opsMu    sync.Mutex
+	ops      map[string]opStat
+	inFlight map[string]int
 
 	ids atomic.Uint64 // response ids
 
@@ -187,7 +244,8 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65)), started: time.Now(), ops: map[string]opStat{}}
+	s := &Server{cfg: cfg, rand: rand.New(rand.NewPCG(cfg.Seed, 0x646f75626c65)), started: time.Now(),
+		ops: map[string]opStat{}, inFlight: map[string]int{}}
 	s.stats = Stats{Requests: map[string]int{}, Prompts: map[string]int{}, Faults: map[string]int{}}
 	s.delivered = map[string]struct{}{}
 	if cfg.ModelPath == "" {
@@ -202,12 +260,15 @@ func New(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("double: write the random model: %w", err)
 		}
 	}
-	m, err := bigram.Load(s.cfg.ModelPath)
-	if err != nil {
-		s.Close()
-		return nil, fmt.Errorf("double: load model: %w", err)
+	m := s.dummyWeights()
+	if cfg.LoadFormat != LoadFormatDummy {
+		if m, err = bigram.Load(s.cfg.ModelPath); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("double: load model: %w", err)
+		}
 	}
 	s.model.Store(m)
+	s.wstate.loadFormat = cfg.LoadFormat
 	s.sched = newScheduler(cfg.MaxConcurrent)
 	s.routes = s.buildRoutes()
 	s.handler = http.HandlerFunc(s.serveHTTP)
@@ -219,13 +280,13 @@ func (c Config) withDefaults() (Config, error) {
 		c.Generation = GenD
 	}
 	switch c.Generation {
-	case GenB, GenC, GenD:
+	case GenB, GenC, GenD, GenE:
 	default:
-		return c, fmt.Errorf("double: generation %q, want B, C or D", c.Generation)
+		return c, fmt.Errorf("double: generation %q, want B, C, D or E", c.Generation)
 	}
 	if c.Backend == "" {
 		c.Backend = BackendDisk
-		if c.Generation == GenB {
+		if c.Generation == GenB || c.Generation == GenE {
 			c.Backend = BackendNCCL
 		}
 	}
@@ -233,10 +294,17 @@ func (c Config) withDefaults() (Config, error) {
 	case BackendNCCL:
 	case BackendDisk:
 		if c.Generation == GenB {
-			return c, errors.New("double: the disk backend needs generation C or D")
+			return c, errors.New("double: the disk backend needs generation C, D or E")
 		}
 	default:
 		return c, fmt.Errorf("double: backend %q, want disk or nccl", c.Backend)
+	}
+	switch c.LoadFormat {
+	case "":
+		c.LoadFormat = LoadFormatAuto
+	case LoadFormatAuto, LoadFormatDummy:
+	default:
+		return c, fmt.Errorf("double: load format %q, want auto or dummy", c.LoadFormat)
 	}
 	if c.WorldSize == 0 {
 		c.WorldSize = 1
@@ -288,14 +356,17 @@ func (c Config) withDefaults() (Config, error) {
 }
 
 // versionFor gives each generation a plausible vLLM version for GET
-// /version. Only the D boundary is from the spec (D is vLLM 0.28+); the B
-// and C numbers are illustrative.
+// /version, the one place the double keeps them. The D boundary is from
+// the spec (D is vLLM 0.28+); E's 0.30.0 is where rlflow's client (package
+// vllm, firstGenE) starts treating a server as E; B and C are illustrative.
 func versionFor(g Generation) string {
 	switch g {
 	case GenB:
 		return "0.26.0"
 	case GenC:
 		return "0.27.0"
+	case GenE:
+		return "0.30.0"
 	}
 	return "0.28.0"
 }
@@ -446,6 +517,30 @@ func (s *Server) NCCLUniqueID() []byte {
 	}
 	return append([]byte(nil), s.wstate.init.UniqueID...)
 }
+
+// PickleModule is the module the pickled ncclUniqueId of the last NCCL
+// init named (ncclid.ModulePath or ncclid.BackendsModulePath), also when
+// the generation refused it; "" before any, or when the last init passed
+// nccl_unique_id_b64 or failed before reading a pickle.
+func (s *Server) PickleModule() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.wstate.pickleModule
+}
+
+// WorkerLoadFormat is the workers' load format now: Config.LoadFormat
+// until a collective_rpc update_config changes it (GET /server_info keeps
+// reporting the one the server started with).
+func (s *Server) WorkerLoadFormat() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.wstate.loadFormat
+}
+
+// dummyWeights are the weights of --load-format dummy. vLLM's
+// DummyModelLoader draws them with a fixed seed, so every draw is the same;
+// the double's are the random bigram model of Config.Seed.
+func (s *Server) dummyWeights() *bigram.Model { return bigram.Random(s.cfg.Seed) }
 
 func (s *Server) count(f func(*Stats)) {
 	s.statsMu.Lock()

@@ -68,7 +68,9 @@ func (s *testServer) ok(method, path, body string) string {
 func TestConfigValidation(t *testing.T) {
 	for name, cfg := range map[string]double.Config{
 		"generation A": {Generation: "A"},
+		"generation F": {Generation: "F"},
 		"disk on B":    {Generation: double.GenB, Backend: double.BackendDisk},
+		"load format":  {LoadFormat: "safetensors"},
 		"backend":      {Backend: "rdma"},
 		"fault rate":   {Faults: double.Faults{ErrorRate: map[string]float64{"*": 2}}},
 		"latency":      {Latency: -1},
@@ -83,6 +85,7 @@ func TestConfigValidation(t *testing.T) {
 	c := s.Config()
 	assert.Equal(t, double.GenD, c.Generation)
 	assert.Equal(t, double.BackendDisk, c.Backend)
+	assert.Equal(t, double.LoadFormatAuto, c.LoadFormat)
 	assert.Equal(t, 1, c.WorldSize)
 	assert.FileExists(t, c.ModelPath, "the random model is written to a temp file")
 	require.NoError(t, s.Close())
@@ -91,16 +94,22 @@ func TestConfigValidation(t *testing.T) {
 
 func TestRoutesPerGeneration(t *testing.T) {
 	common := []string{"GET /health", "GET /metrics", "GET /v1/models", "GET /version", "POST /v1/chat/completions", "POST /v1/completions"}
-	dev := []string{"GET /get_world_size", "GET /is_paused", "POST /init_weight_transfer_engine", "POST /pause", "POST /resume", "POST /update_weights"}
-	sessions := []string{"GET /weight_info", "POST /abort_requests", "POST /finish_weight_update", "POST /start_weight_update", "POST /update_weight_version", "POST /weight_checker"}
+	dev := []string{"GET /get_world_size", "GET /is_paused", "POST /init_weight_transfer_engine", "POST /pause", "POST /resume", "POST /update_weights",
+		"POST /collective_rpc", "GET /server_info"}
+	sessions := []string{"GET /weight_info", "POST /abort_requests", "POST /finish_weight_update", "POST /start_weight_update", "POST /update_weight_version"}
+	checker := []string{"POST /weight_checker"}
 	cases := []struct {
 		cfg  double.Config
 		want [][]string
 	}{
 		{double.Config{Generation: double.GenC}, [][]string{common}},
+		{double.Config{Generation: double.GenE}, [][]string{common}},
 		{double.Config{Generation: double.GenB, DevMode: true}, [][]string{common, dev}},
-		{double.Config{Generation: double.GenC, DevMode: true}, [][]string{common, dev, sessions}},
-		{double.Config{Generation: double.GenD, DevMode: true, Backend: double.BackendNCCL}, [][]string{common, dev, sessions}},
+		{double.Config{Generation: double.GenC, DevMode: true}, [][]string{common, dev, sessions, checker}},
+		{double.Config{Generation: double.GenD, DevMode: true, Backend: double.BackendNCCL}, [][]string{common, dev, sessions, checker}},
+		{double.Config{Generation: double.GenE, DevMode: true}, [][]string{common, dev, sessions, checker}},
+		{double.Config{Generation: double.GenD, DevMode: true, NoWeightChecker: true}, [][]string{common, dev, sessions}},
+		{double.Config{Generation: double.GenE, DevMode: true, NoWeightChecker: true}, [][]string{common, dev, sessions}},
 	}
 	for _, c := range cases {
 		s := start(t, c.cfg)
@@ -125,6 +134,7 @@ func TestRoutesPerGeneration(t *testing.T) {
 	status, _ = off.call("POST", "/pause", "")
 	assert.Equal(t, http.StatusNotFound, status, "dev mode off: RLHF routes are 404")
 	assert.Equal(t, `{"version":"0.28.0"}`, off.ok("GET", "/version", ""))
+	assert.Equal(t, `{"version":"0.30.0"}`, start(t, double.Config{Generation: double.GenE}).ok("GET", "/version", ""), "rlflow's client reads >= 0.30 as E")
 	assert.Equal(t, 1, off.Stats().Requests["unknown route"])
 }
 
@@ -177,7 +187,7 @@ func TestStrictness(t *testing.T) {
 			{"/update_weight_version", `{"new_version":"v1","x":1}`, 500, "unexpected key(s) 'x'"},
 			{"/weight_checker", `{}`, 400, "Missing 'action'"},
 			{"/weight_checker", `{"action":"bogus"}`, 400, "unknown action"},
-			{"/weight_checker", `{"action":"compare"}`, 400, "compare needs a baseline"},
+			{"/weight_checker", `{"action":"compare"}`, 400, "action='compare' requires a 'baseline' object"},
 			{"/pause?mode=sideways", ``, 400, "Input should be 'abort', 'wait' or 'keep'"},
 			{"/finish_weight_update", `{"weight_version":1}`, 500, "weight_version must be a string"},
 			{"/start_weight_update", `{"is_checkpoint_format":"yes"}`, 500, "is_checkpoint_format must be a boolean"},
@@ -349,24 +359,6 @@ func TestModelChangesAfterDiskUpdate(t *testing.T) {
 
 	sumAfter := s.ok("POST", "/weight_checker", `{"action":"checksum"}`)
 	assert.NotEqual(t, sumBefore, sumAfter)
-	var cmp struct {
-		Match      bool     `json:"match"`
-		Mismatched []string `json:"mismatched"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(s.ok("POST", "/weight_checker", `{"action":"compare","baseline":`+sumBefore+`}`)), &cmp))
-	assert.False(t, cmp.Match)
-	assert.Equal(t, []string{bigram.TensorName}, cmp.Mismatched)
-	require.NoError(t, json.Unmarshal([]byte(s.ok("POST", "/weight_checker", `{"action":"compare","baseline":`+sumAfter+`}`)), &cmp))
-	assert.True(t, cmp.Match)
-	s.ok("POST", "/weight_checker", `{"action":"reset"}`)
-	require.NoError(t, json.Unmarshal([]byte(s.ok("POST", "/weight_checker", `{"action":"compare"}`)), &cmp))
-	assert.True(t, cmp.Match)
-
-	s.ok("POST", "/pause?mode=keep", "")
-	status, body := s.call("POST", "/weight_checker", `{"action":"checksum"}`)
-	assert.Equal(t, http.StatusConflict, status)
-	assert.Contains(t, body, "paused")
-	s.ok("POST", "/resume", "")
 }
 
 func TestOpenAIShapes(t *testing.T) {
@@ -411,10 +403,10 @@ func TestOpenAIShapes(t *testing.T) {
 	assert.Contains(t, models, `"id":"m"`)
 
 	for body, want := range map[string]string{
-		`{"model":"x","prompt":"a"}`:                       "The model `x` does not exist.",
-		`{"model":"m","prompt":"a","max_tokens":100}`:      "maximum context length is 64 tokens",
-		`{"model":"m","prompt":"a","max_tokens":"9"}`:      "invalid request body: max_tokens: got a JSON string, want integer",
-		`{"model":"m","prompt":"a","temperature":true}`:    "invalid request body: temperature: got a JSON bool, want number",
+		`{"model":"x","prompt":"a"}`:                    "The model `x` does not exist.",
+		`{"model":"m","prompt":"a","max_tokens":100}`:   "maximum context length is 64 tokens",
+		`{"model":"m","prompt":"a","max_tokens":"9"}`:   "invalid request body: max_tokens: got a JSON string, want integer",
+		`{"model":"m","prompt":"a","temperature":true}`: "invalid request body: temperature: got a JSON bool, want number",
 		`["m"]`: "invalid request body: want a JSON object, got a JSON array",
 		`{"model":"m","prompt":"a","stream":true}`:         "stream=true is not supported",
 		`{"model":"m","prompt":"a","n":0}`:                 "n must be in 1..128",
@@ -709,11 +701,17 @@ func TestNoInputPanics(t *testing.T) {
 		`{"update_info":{"names":["a"],"dtype_names":["float32"],"shapes":[[9223372036854775807,9223372036854775807]]}}`,
 		`{"model":"bigram-double","prompt":[[]],"max_tokens":1}`, `{"model":"bigram-double","prompt":"","n":128,"max_tokens":1,"logprobs":20}`,
 		`{"model":"bigram-double","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"max_tokens":1}`,
-		`{"action":"compare","baseline":[1]}`, `{"new_version":null}`, `{"weight_version":{}}`}
+		`{"action":"compare","baseline":[1]}`, `{"new_version":null}`, `{"weight_version":{}}`,
+		`{"update_info":[{}]}`, `{"update_info":[{"path":"/x"},{"path":"/y"}]}`, `{"update_info":[[]]}`, `{"action":"reset"}`,
+		`{"method":"update_config","args":[{"load_config":null}]}`, `{"method":"update_config","args":[{"load_config":{"load_format":null}}]}`,
+		`{"method":"reload_weights","kwargs":{"weights_path":null,"is_checkpoint_format":null}}`, `{"method":"","args":null,"kwargs":null,"timeout":null}`,
+		`{"method":"update_config","args":[{"load_config":{"load_format":"dummy"}}]}`, `{"method":"reload_weights","timeout":1e999}`}
 	for _, cfg := range []double.Config{
 		{Generation: double.GenB, DevMode: true},
 		{Generation: double.GenC, DevMode: true, Backend: double.BackendNCCL, RendezvousTimeout: 10 * time.Millisecond},
 		{Generation: double.GenD, DevMode: true},
+		{Generation: double.GenE, DevMode: true, RendezvousTimeout: 10 * time.Millisecond, WorldSize: 2},
+		{Generation: double.GenE, DevMode: true, Backend: double.BackendDisk, LoadFormat: double.LoadFormatDummy, NoWeightChecker: true},
 	} {
 		s, err := double.New(cfg)
 		require.NoError(t, err)
@@ -721,7 +719,7 @@ func TestNoInputPanics(t *testing.T) {
 		for _, rt := range s.Routes() {
 			method, path, _ := strings.Cut(rt, " ")
 			for _, b := range bodies {
-				for _, q := range []string{"", "?mode=wait&include_dp=0&clear_cache=x"} {
+				for _, q := range []string{"", "?mode=wait&include_dp=0&clear_cache=x", "?config_format=x&wait_for_inflight_requests=x"} {
 					if strings.Contains(q, "wait") && path == "/pause" {
 						q = "?mode=keep"
 					}

@@ -43,6 +43,9 @@ func (s *Server) buildRoutes() map[string]*route {
 		"/get_world_size":              {http.MethodGet, s.worldSize},
 		"/init_weight_transfer_engine": {http.MethodPost, s.timed("init", s.initTransfer)},
 		"/update_weights":              {http.MethodPost, s.timed("update", s.updateWeights)},
+		// Stock vLLM's dev-mode routes, on every generation and backend.
+		"/collective_rpc": {http.MethodPost, s.collectiveRPC},
+		"/server_info":    {http.MethodGet, s.serverInfo},
 	}
 	if s.cfg.Generation != GenB {
 		dev["/start_weight_update"] = &route{http.MethodPost, s.timed("start", s.startUpdate)}
@@ -50,7 +53,9 @@ func (s *Server) buildRoutes() map[string]*route {
 		dev["/update_weight_version"] = &route{http.MethodPost, s.updateVersion}
 		dev["/weight_info"] = &route{http.MethodGet, s.weightInfo}
 		dev["/abort_requests"] = &route{http.MethodPost, s.abortRequests}
-		dev["/weight_checker"] = &route{http.MethodPost, s.weightChecker}
+		if !s.cfg.NoWeightChecker {
+			dev["/weight_checker"] = &route{http.MethodPost, s.weightChecker}
+		}
 	}
 	for p, r := range dev {
 		rt[p] = r

@@ -37,7 +37,7 @@ type NCCLInit struct {
 	MasterPort    int
 	Ranks         []int // this server's ranks: rank_offset .. rank_offset+W-1
 	WorldSize     int   // the whole group, trainer included
-	// Packed settings from init_info (generation D only).
+	// Packed settings from init_info (generations D and E).
 	Packed                bool
 	PackedBufferSizeBytes int64
 	PackedNumBuffers      int
@@ -96,7 +96,7 @@ func (s *Server) ncclMetadata(info map[string]json.RawMessage, init *NCCLInit) (
 		}
 		u.Bytes[i] = n
 	}
-	if s.cfg.Generation == GenD {
+	if s.cfg.Generation.packedInInit() {
 		u.Packed, u.PackedBufferSizeBytes, u.PackedNumBuffers = init.Packed, init.PackedBufferSizeBytes, init.PackedNumBuffers
 	} else {
 		u.Packed, _ = get[bool](info, "packed")

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -16,8 +17,11 @@ import (
 
 // initNCCL performs a worker's side of init_weight_transfer_engine: it
 // validates init_info, obtains the NCCL unique id (TCPStore rendezvous, or
-// nccl_unique_id_b64 on D) and records the result. Re-initialising
+// nccl_unique_id_b64 on D and E) and records the result. Re-initialising
 // replaces the previous group, as vLLM replaces its single communicator.
+// The pickled id may name the legacy module on every generation and the
+// vllm.backends one only on E, whose layout has that module (and resolves
+// the legacy name through a compat shim); older workers fail to import it.
 func (s *Server) initNCCL(ctx context.Context, info map[string]json.RawMessage) error {
 	in := NCCLInit{}
 	in.MasterAddress, _ = get[string](info, "master_address")
@@ -51,7 +55,7 @@ func (s *Server) initNCCL(ctx context.Context, info map[string]json.RawMessage) 
 	// The new group replaces the old one whatever the outcome.
 	s.mu.Lock()
 	old := s.rdv
-	s.rdv, s.wstate.init = nil, nil
+	s.rdv, s.wstate.init, s.wstate.pickleModule = nil, nil, ""
 	s.mu.Unlock()
 	old.close()
 
@@ -65,9 +69,19 @@ func (s *Server) initNCCL(ctx context.Context, info map[string]json.RawMessage) 
 	} else {
 		addr := net.JoinHostPort(in.MasterAddress, strconv.Itoa(in.MasterPort))
 		var err error
-		rdv, in.UniqueID, err = join(ctx, addr, ranks, s.cfg.RendezvousTimeout)
+		var module string
+		rdv, in.UniqueID, module, err = join(ctx, addr, ranks, s.cfg.RendezvousTimeout)
 		if err != nil {
 			return workerError("RuntimeError: TCPStore rendezvous with %s: %v", addr, err)
+		}
+		s.mu.Lock()
+		s.wstate.pickleModule = module
+		s.mu.Unlock()
+		if module != ncclid.ModulePath && !s.cfg.Generation.backendsLayout() {
+			rdv.close()
+			top, _, _ := strings.Cut(strings.TrimPrefix(module, "vllm."), ".")
+			return workerError("ModuleNotFoundError: No module named 'vllm.%s' (unpickling the ncclUniqueId under %s: generation %s keeps it in %s)",
+				top, tcpstore.UniqueIDKey, s.cfg.Generation, ncclid.ModulePath)
 		}
 	}
 	if s.cfg.NCCLReceiver != nil {
@@ -111,9 +125,10 @@ func rendezvousDeadline(ctx context.Context, timeout time.Duration) (context.Con
 // against the trainer's TCPStore at addr: each of the workers connects
 // (retrying while the store is not up yet, as torch clients do), sends
 // ADD "init/" 1, waits for and reads "/broadcast_from/0/0", and stays
-// connected. It returns the unpickled ncclUniqueId; every worker must have
-// read the same one. All of it is bounded by timeout.
-func join(ctx context.Context, addr string, workers int, timeout time.Duration) (*rendezvous, []byte, error) {
+// connected. It returns the unpickled ncclUniqueId and the module its
+// pickle names; every worker must have read the same one. All of it is
+// bounded by timeout.
+func join(ctx context.Context, addr string, workers int, timeout time.Duration) (*rendezvous, []byte, string, error) {
 	ctx, cancel := rendezvousDeadline(ctx, timeout)
 	defer cancel()
 	rdv := &rendezvous{}
@@ -138,21 +153,21 @@ func join(ctx context.Context, addr string, workers int, timeout time.Duration) 
 	for w, err := range errs {
 		if err != nil {
 			rdv.close()
-			return nil, nil, fmt.Errorf("worker %d: %w", w, describe(err, timeout))
+			return nil, nil, "", fmt.Errorf("worker %d: %w", w, describe(err, timeout))
 		}
 	}
-	id, err := ncclid.Unpickle(ids[0])
+	id, module, err := ncclid.UnpickleModule(ids[0])
 	if err != nil {
 		rdv.close()
-		return nil, nil, fmt.Errorf("%s does not hold a pickled ncclUniqueId: %w", tcpstore.UniqueIDKey, err)
+		return nil, nil, "", fmt.Errorf("%s does not hold a pickled ncclUniqueId: %w", tcpstore.UniqueIDKey, err)
 	}
 	for w := 1; w < workers; w++ {
 		if string(ids[w]) != string(ids[0]) {
 			rdv.close()
-			return nil, nil, fmt.Errorf("workers 0 and %d read different ids under %s", w, tcpstore.UniqueIDKey)
+			return nil, nil, "", fmt.Errorf("workers 0 and %d read different ids under %s", w, tcpstore.UniqueIDKey)
 		}
 	}
-	return rdv, id[:], nil
+	return rdv, id[:], module, nil
 }
 
 // dialRetry connects, retrying with backoff while ctx allows: the trainer

@@ -7,10 +7,9 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"sort"
+	"reflect"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
@@ -19,10 +18,14 @@ import (
 type weightState struct {
 	version  string // "" until the first finished update or update_weight_version
 	finished int    // finished updates: the version when none is given
-	session  bool   // a C/D update session is open
+	session  bool   // a C/D/E update session is open
 	loaded   bool   // disk: this session already took its checkpoint
-	init     *NCCLInit
-	baseline map[string]string // weight_checker reset
+	// checkpointFormat: this session's start carried is_checkpoint_format
+	// (D/E nccl: the streaming that follows would hang in vLLM).
+	checkpointFormat bool
+	init             *NCCLInit
+	pickleModule     string // module the last init's pickled id named
+	loadFormat       string // the workers' load format (update_config)
 }
 
 const (
@@ -31,56 +34,6 @@ const (
 )
 
 func (s *Server) health(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }
-
-// metrics serves the Prometheus text format with the one metric rlflow
-// reads, process_start_time_seconds, written as prometheus_client's
-// process collector writes it; each Server is a new process (StartTime).
-func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
-	start := float64(s.started.UnixNano()) / 1e9
-	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-	fmt.Fprintf(w, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"+
-		"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n", strconv.FormatFloat(start, 'e', -1, 64))
-	// vLLM's weight-update histogram, as its newest builds export it: sum
-	// and count per operation (the double keeps no buckets but +Inf).
-	s.opsMu.Lock()
-	defer s.opsMu.Unlock()
-	if len(s.ops) == 0 {
-		return
-	}
-	const name = "vllm:rl_weight_update_operation_duration_seconds"
-	fmt.Fprintf(w, "# HELP %s Duration of weight update operations (TEST DOUBLE).\n# TYPE %s histogram\n", name, name)
-	ops := make([]string, 0, len(s.ops))
-	for op := range s.ops {
-		ops = append(ops, op)
-	}
-	sort.Strings(ops)
-	for _, op := range ops {
-		o := s.ops[op]
-		fmt.Fprintf(w, "%s_bucket{model_name=%q,operation=%q,le=\"+Inf\"} %d\n", name, s.cfg.ModelName, op, o.count)
-		fmt.Fprintf(w, "%s_sum{model_name=%q,operation=%q} %s\n", name, s.cfg.ModelName, op, strconv.FormatFloat(o.sum, 'g', -1, 64))
-		fmt.Fprintf(w, "%s_count{model_name=%q,operation=%q} %d\n", name, s.cfg.ModelName, op, o.count)
-	}
-}
-
-// opStat is one weight-update operation's histogram sum and count.
-type opStat struct {
-	sum   float64
-	count int
-}
-
-// timed records how long h takes under operation op, for /metrics.
-func (s *Server) timed(op string, h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		start := time.Now()
-		h(w, r)
-		s.opsMu.Lock()
-		o := s.ops[op]
-		o.sum += time.Since(start).Seconds()
-		o.count++
-		s.ops[op] = o
-		s.opsMu.Unlock()
-	}
-}
 
 func (s *Server) version(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"version": s.cfg.Version})
@@ -96,7 +49,13 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request) {
 		errorResponse(w, http.StatusBadRequest, fmt.Sprintf("query.mode: Input should be 'abort', 'wait' or 'keep', got %q", mode))
 		return
 	}
-	for _, name := range []string{"wait_for_inflight_requests", "clear_cache"} {
+	deprecated := []string{"wait_for_inflight_requests", "clear_cache"}
+	if s.cfg.Generation.routerValidates() {
+		// E removed wait_for_inflight_requests, and FastAPI ignores query
+		// parameters it does not declare: mode alone decides.
+		deprecated = deprecated[1:]
+	}
+	for _, name := range deprecated {
 		if q.Has(name) {
 			b, ok := parseBool(q.Get(name))
 			if !ok {
@@ -154,13 +113,14 @@ func (s *Server) worldSize(w http.ResponseWriter, r *http.Request) {
 }
 
 // infoBody reads a body holding exactly the one key name ("init_info",
-// "update_info"): 400 for bad JSON or a missing/null key, as vLLM.
+// "update_info"): 400 for bad JSON or a missing/null key, as vLLM; a
+// non-object body is a 500 on B-D and a 400 on E (bodyObject).
 func (s *Server) infoBody(w http.ResponseWriter, r *http.Request, name string) (json.RawMessage, error) {
 	body, err := s.readBody(w, r)
 	if err != nil {
 		return nil, err
 	}
-	obj, err := jsonObject(body)
+	obj, err := s.bodyObject(body)
 	if err != nil {
 		return nil, err
 	}
@@ -184,15 +144,50 @@ func (s *Server) optionalBody(w http.ResponseWriter, r *http.Request, allowed ..
 	if len(strings.TrimSpace(string(body))) == 0 {
 		return map[string]json.RawMessage{}, nil
 	}
-	obj, err := jsonObject(body)
+	obj, err := s.bodyObject(body)
 	if err != nil {
 		return nil, err
 	}
 	return obj, onlyKeys(obj, allowed...)
 }
 
+// bodyObject parses body as FastAPI's `await request.json()` would, then
+// requires a JSON object: B-D fail on `.get` of anything else inside the
+// handler (500); E's router refuses it first (400). An empty body is
+// invalid JSON, as in Python.
+func (s *Server) bodyObject(body []byte) (map[string]json.RawMessage, error) {
+	obj, err := jsonObject(body)
+	var he *httpError
+	if err != nil && s.cfg.Generation.routerValidates() && errors.As(err, &he) && he.status == http.StatusInternalServerError {
+		return nil, badRequest("Request body must be a JSON object, got %s", pyType(body))
+	}
+	return obj, err
+}
+
+// isObject and isObjectList tell E's router's body shapes apart.
+func isObject(raw json.RawMessage) bool {
+	var m map[string]json.RawMessage
+	return json.Unmarshal(raw, &m) == nil && m != nil
+}
+
+func isObjectList(raw json.RawMessage) bool {
+	var l []json.RawMessage
+	if json.Unmarshal(raw, &l) != nil || l == nil {
+		return false
+	}
+	for _, e := range l {
+		if !isObject(e) {
+			return false
+		}
+	}
+	return true
+}
+
 func (s *Server) initTransfer(w http.ResponseWriter, r *http.Request) {
 	raw, err := s.infoBody(w, r, "init_info")
+	if err == nil && s.cfg.Generation.routerValidates() && !isObject(raw) {
+		err = badRequest("'init_info' must be a JSON object, got %s", pyType(raw))
+	}
 	if err != nil {
 		fail(w, err)
 		return
@@ -221,9 +216,13 @@ func (s *Server) initTransfer(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) startUpdate(w http.ResponseWriter, r *http.Request) {
 	obj, err := s.optionalBody(w, r, "is_checkpoint_format")
+	ckptFormat := false
 	if err == nil {
-		if v, ok := obj["is_checkpoint_format"]; ok && !isNull(v) && !hasKind(v, kBool) {
-			err = workerError("ValueError: is_checkpoint_format must be a boolean, got %s", clip(string(v)))
+		if v, ok := obj["is_checkpoint_format"]; ok && !isNull(v) {
+			if !hasKind(v, kBool) {
+				err = workerError("ValueError: is_checkpoint_format must be a boolean, got %s", clip(string(v)))
+			}
+			ckptFormat = true
 		}
 	}
 	if err != nil {
@@ -238,6 +237,7 @@ func (s *Server) startUpdate(w http.ResponseWriter, r *http.Request) {
 	open := s.wstate.session
 	if !open {
 		s.wstate.session, s.wstate.loaded = true, false
+		s.wstate.checkpointFormat = ckptFormat && s.cfg.Generation.packedInInit() && s.cfg.Backend == BackendNCCL
 	}
 	s.mu.Unlock()
 	if open {
@@ -247,45 +247,66 @@ func (s *Server) startUpdate(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"message": "Weight update started"})
 }
 
+// updateWeights serves update_weights. On E a failure answered 500 (one
+// that reached the engine) closes the open session, as E's worker does.
 func (s *Server) updateWeights(w http.ResponseWriter, r *http.Request) {
 	raw, err := s.infoBody(w, r, "update_info")
+	if err == nil && s.cfg.Generation.routerValidates() && !isObject(raw) && !isObjectList(raw) {
+		err = badRequest("'update_info' must be a JSON object or a list of JSON objects, got %s", pyType(raw))
+	}
+	if err == nil {
+		s.xferMu.Lock()
+		err = s.applyUpdate(r, raw)
+		s.xferMu.Unlock()
+	}
+	var he *httpError
+	if err != nil && s.cfg.Generation.closesFailedSession() && (!errors.As(err, &he) || he.status == http.StatusInternalServerError) {
+		s.mu.Lock()
+		s.wstate.session = false
+		s.mu.Unlock()
+	}
 	if err != nil {
 		fail(w, err)
 		return
 	}
-	s.xferMu.Lock()
-	defer s.xferMu.Unlock()
+	writeJSON(w, http.StatusOK, map[string]string{"message": "Weights updated"})
+}
+
+// applyUpdate runs one update_weights on the workers (Server.xferMu held).
+func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
+	payload := s.backendPayload()
+	if s.cfg.Generation.routerValidates() && isObjectList(raw) { // E: one entry per worker
+		var err error
+		if raw, err = s.onePayload(raw, payload); err != nil {
+			return err
+		}
+	}
 	sessions := s.cfg.Generation != GenB
 	s.mu.Lock()
-	open, loaded := s.wstate.session, s.wstate.loaded
+	open, loaded, ckptFormat := s.wstate.session, s.wstate.loaded, s.wstate.checkpointFormat
 	s.mu.Unlock()
 	if sessions && !open {
-		fail(w, workerError("RuntimeError: update_weights called without an open weight update session; call start_weight_update first"))
-		return
+		return workerError("RuntimeError: update_weights called without an open weight update session; call start_weight_update first")
+	}
+	if ckptFormat {
+		// The double answers at once where current vLLM builds hang.
+		return workerError("RuntimeError: double: start_weight_update was sent is_checkpoint_format, which makes current vLLM builds hang the NCCL streaming of update_weights (the double fails instead); a trainer must never send it to an nccl backend")
+	}
+	info, err := payload.decode(raw)
+	if err != nil {
+		return err
 	}
 	var m *bigram.Model
 	if s.cfg.Backend == BackendDisk {
-		info, err := diskUpdateInfo.decode(raw)
-		if err == nil && loaded {
-			err = workerError("RuntimeError: this weight update session already loaded a checkpoint; the disk backend takes exactly one per session")
+		if loaded {
+			return workerError("RuntimeError: this weight update session already loaded a checkpoint; the disk backend takes exactly one per session")
 		}
-		if err == nil {
-			path, _ := get[string](info, "path")
-			m, err = loadCheckpointDir(path)
+		path, _ := get[string](info, "path")
+		if m, err = loadCheckpointDir("update_info.path", path); err != nil {
+			return err
 		}
-		if err != nil {
-			fail(w, err)
-			return
-		}
-	} else {
-		info, err := ncclUpdateInfo(s.cfg.Generation).decode(raw)
-		if err == nil {
-			m, err = s.receiveNCCL(r.Context(), info)
-		}
-		if err != nil {
-			fail(w, err)
-			return
-		}
+	} else if m, err = s.receiveNCCL(r.Context(), info); err != nil {
+		return err
 	}
 	s.model.Store(m)
 	s.mu.Lock()
@@ -295,21 +316,66 @@ func (s *Server) updateWeights(w http.ResponseWriter, r *http.Request) {
 		s.wstate.version = strconv.Itoa(s.wstate.finished)
 	}
 	s.mu.Unlock()
-	writeJSON(w, http.StatusOK, map[string]string{"message": "Weights updated"})
+	return nil
+}
+
+// backendPayload is the update_info class of the server's backend.
+func (s *Server) backendPayload() dataclass {
+	if s.cfg.Backend == BackendDisk {
+		return diskUpdateInfo
+	}
+	return ncclUpdateInfo(s.cfg.Generation)
+}
+
+// onePayload reduces E's per-worker update_info list to the one payload
+// the double's single model can take: one entry per inference worker
+// (index data_parallel_index*(TP*PP) + rank), each valid as the object
+// form, all equal.
+func (s *Server) onePayload(raw json.RawMessage, payload dataclass) (json.RawMessage, error) {
+	var entries []json.RawMessage
+	if err := json.Unmarshal(raw, &entries); err != nil {
+		return nil, badRequest("'update_info' must be a JSON object or a list of JSON objects")
+	}
+	workers := s.cfg.WorldSize * s.cfg.DataParallel
+	if len(entries) != workers {
+		return nil, workerError("ValueError: update_info has %d entries but the server has %d inference workers (data_parallel_size %d x tensor_parallel_size*pipeline_parallel_size %d); send one entry per worker, or one object for all",
+			len(entries), workers, s.cfg.DataParallel, s.cfg.WorldSize)
+	}
+	var first any
+	for i, e := range entries {
+		if _, err := payload.decode(e); err != nil {
+			var he *httpError
+			if errors.As(err, &he) {
+				return nil, &httpError{he.status, fmt.Sprintf("%s (update_info[%d])", he.msg, i)}
+			}
+			return nil, err
+		}
+		var v any
+		if err := json.Unmarshal(e, &v); err != nil {
+			return nil, badRequest("update_info[%d]: %v", i, err)
+		}
+		if i == 0 {
+			first = v
+		} else if !reflect.DeepEqual(first, v) {
+			return nil, workerError("double: update_info[0] and update_info[%d] differ: the vLLM double serves one model for all its workers and does not support differing per-worker payloads (a double limitation; real vLLM gives each worker its own entry)", i)
+		}
+	}
+	return entries[0], nil
 }
 
 // loadCheckpointDir loads the bigram tensor from an absolute directory of
-// *.safetensors, as vLLM's disk backend requires.
-func loadCheckpointDir(path string) (*bigram.Model, error) {
+// *.safetensors, as vLLM's disk backend and reload_weights require; field
+// names the request field in errors.
+func loadCheckpointDir(field, path string) (*bigram.Model, error) {
 	if !filepath.IsAbs(path) {
-		return nil, workerError("ValueError: update_info.path %q must be an absolute directory", path)
+		return nil, workerError("ValueError: %s %q must be an absolute directory", field, path)
 	}
 	st, err := os.Stat(path)
 	if err != nil {
-		return nil, workerError("FileNotFoundError: update_info.path %q: %v", path, errors.Unwrap(err))
+		return nil, workerError("FileNotFoundError: %s %q: %v", field, path, errors.Unwrap(err))
 	}
 	if !st.IsDir() {
-		return nil, workerError("NotADirectoryError: update_info.path %q is not a directory", path)
+		return nil, workerError("NotADirectoryError: %s %q is not a directory", field, path)
 	}
 	m, err := bigram.Load(path)
 	if err != nil {
@@ -337,7 +403,7 @@ func (s *Server) finishUpdate(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	open := s.wstate.session
 	if open {
-		s.wstate.session = false
+		s.wstate.session, s.wstate.checkpointFormat = false, false
 		s.wstate.finished++
 		s.wstate.version = label
 		if label == "" {
@@ -346,17 +412,27 @@ func (s *Server) finishUpdate(w http.ResponseWriter, r *http.Request) {
 	}
 	s.mu.Unlock()
 	if !open {
-		fail(w, workerError("RuntimeError: finish_weight_update called without an open weight update session"))
+		fail(w, workerError("%s", noSessionToFinish(s.cfg.Generation)))
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"message": "Weight update finished"})
+}
+
+// noSessionToFinish is finish_weight_update's error without an open
+// session. E's text is the one a client sees after E closed a failed
+// update's session itself.
+func noSessionToFinish(g Generation) string {
+	if g.closesFailedSession() {
+		return "RuntimeError: finish_weight_update called without a matching start_weight_update"
+	}
+	return "RuntimeError: finish_weight_update called without an open weight update session"
 }
 
 func (s *Server) updateVersion(w http.ResponseWriter, r *http.Request) {
 	body, err := s.readBody(w, r)
 	var obj map[string]json.RawMessage
 	if err == nil {
-		obj, err = jsonObject(body)
+		obj, err = s.bodyObject(body)
 	}
 	var v string
 	if err == nil {
@@ -398,94 +474,4 @@ func (s *Server) abortRequests(w http.ResponseWriter, r *http.Request) {
 	}
 	n := s.sched.abortAll()
 	writeJSON(w, http.StatusOK, map[string]any{"message": "Requests aborted", "aborted": n})
-}
-
-func (s *Server) checksums() map[string]string {
-	return map[string]string{bigram.TensorName: s.model.Load().Checksum()}
-}
-
-func (s *Server) weightChecker(w http.ResponseWriter, r *http.Request) {
-	body, err := s.readBody(w, r)
-	var obj map[string]json.RawMessage
-	if err == nil {
-		obj, err = jsonObject(body)
-	}
-	var action string
-	if err == nil {
-		if raw, ok := obj["action"]; !ok || json.Unmarshal(raw, &action) != nil {
-			err = badRequest("Missing 'action' in request body (checksum, reset or compare)")
-		} else {
-			err = onlyKeys(obj, "action", "baseline")
-		}
-	}
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	if s.sched.isPaused() {
-		errorResponse(w, http.StatusConflict, "weight checker is unavailable while generation is paused; resume first")
-		return
-	}
-	sums := s.checksums()
-	switch action {
-	case "checksum":
-		writeJSON(w, http.StatusOK, map[string]any{"action": action, "checksums": sums})
-	case "reset":
-		s.mu.Lock()
-		s.wstate.baseline = sums
-		s.mu.Unlock()
-		writeJSON(w, http.StatusOK, map[string]any{"action": action, "checksums": sums})
-	case "compare":
-		base, err := s.baseline(obj["baseline"])
-		if err != nil {
-			fail(w, err)
-			return
-		}
-		var mismatched []string
-		for name, sum := range sums {
-			if base[name] != sum {
-				mismatched = append(mismatched, name)
-			}
-		}
-		for name := range base {
-			if _, ok := sums[name]; !ok {
-				mismatched = append(mismatched, name)
-			}
-		}
-		writeJSON(w, http.StatusOK, map[string]any{"action": action, "match": len(mismatched) == 0, "mismatched": nonNil(mismatched)})
-	default:
-		errorResponse(w, http.StatusBadRequest, fmt.Sprintf("unknown action %q: want checksum, reset or compare", action))
-	}
-}
-
-// baseline reads a compare baseline: an earlier checksum answer
-// ({"checksums": {...}}), a bare {name: checksum} map, or, when absent, the
-// one recorded by the last reset.
-func (s *Server) baseline(raw json.RawMessage) (map[string]string, error) {
-	if isNull(raw) {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		if s.wstate.baseline == nil {
-			return nil, badRequest("compare needs a baseline: pass one or call reset first")
-		}
-		return s.wstate.baseline, nil
-	}
-	var wrapped struct {
-		Checksums map[string]string `json:"checksums"`
-	}
-	if json.Unmarshal(raw, &wrapped) == nil && wrapped.Checksums != nil {
-		return wrapped.Checksums, nil
-	}
-	var bare map[string]string
-	if json.Unmarshal(raw, &bare) == nil && bare != nil {
-		return bare, nil
-	}
-	return nil, badRequest("baseline must be a checksum answer or a map of tensor name to checksum")
-}
-
-func nonNil(s []string) []string {
-	if s == nil {
-		return []string{}
-	}
-	return s
 }
