@@ -18,22 +18,69 @@ import (
 // doubleBanner is said in the help text and the startup log of every double.
 const doubleBanner = "vLLM TEST AND DEMO DOUBLE: not an inference engine"
 
-func newDoubleCmd() *cobra.Command {
+// doubleFlags are vllm-double's flags that shape each double's Config.
+type doubleFlags struct {
+	gen, apiKeyEnv, loadFormat string
+	errorRate, dropRate        []string
+	slowRate                   []string
+	cfg                        double.Config
+}
+
+// config is the doubles' Config from the flags (usage errors: exit 2);
+// the double validates the values themselves.
+func (f *doubleFlags) config() (double.Config, error) {
+	cfg := f.cfg
+	cfg.Generation = double.Generation(strings.ToUpper(f.gen))
+	cfg.LoadFormat = strings.ToLower(f.loadFormat)
+	if f.apiKeyEnv != "" {
+		if cfg.APIKey = os.Getenv(f.apiKeyEnv); cfg.APIKey == "" {
+			return cfg, &exitError{code: 2, err: fmt.Errorf("--api-key-env: $%s is empty or unset", f.apiKeyEnv)}
+		}
+	}
+	for _, ff := range []struct {
+		flag string
+		vals []string
+		dst  *map[string]float64
+	}{{"--error-rate", f.errorRate, &cfg.Faults.ErrorRate}, {"--drop-rate", f.dropRate, &cfg.Faults.DropRate}, {"--slow-rate", f.slowRate, &cfg.Faults.SlowRate}} {
+		var err error
+		if *ff.dst, err = parseRates(ff.flag, ff.vals); err != nil {
+			return cfg, &exitError{code: 2, err: err}
+		}
+	}
+	return cfg, nil
+}
+
+func newDoubleCmd() *cobra.Command { return doubleCmd(serveDoubles) }
+
+// doubleCmd is vllm-double with serve doing the serving (tests capture it).
+func doubleCmd(serve func(ctx context.Context, cfg double.Config, addrs []string) error) *cobra.Command {
 	var listen []string
 	var servers int
-	var gen, apiKeyEnv string
-	var errorRate, dropRate, slowRate []string
-	var cfg double.Config
+	var fl doubleFlags
 	cmd := &cobra.Command{
 		Use:   "vllm-double",
 		Short: "Run the " + doubleBanner,
 		Long: `vllm-double runs one or more vLLM TEST AND DEMO DOUBLES. A double is NOT an
 inference engine: it speaks the HTTP contract of "vllm serve" with
 VLLM_SERVER_DEV_MODE=1 (OpenAI completions and chat, pause/resume, the RLHF
-weight-transfer routes of API generation B, C or D, vLLM's status codes and
-payload validation) in front of a character bigram table, so that rlflow's
-pipelines can be tried and tested on machines without a GPU. New weights
-(disk backend: a bigram safetensors checkpoint) visibly change its samples.
+weight-transfer routes of API generation B, C, D or E, /collective_rpc,
+/server_info, /metrics, vLLM's status codes and payload validation) in front
+of a character bigram table, so that rlflow's pipelines can be tried and
+tested on machines without a GPU. New weights visibly change its samples.
+Where the double and stock vLLM differ, stock vLLM is right.
+
+Checkpoints reach a double in two ways:
+  --backend nccl   stock vLLM. Its weight-transfer backend does the NCCL
+                   rendezvous (no data plane in the double); a checkpoint
+                   directory is reloaded through POST /collective_rpc
+                   (reload_weights; with --load-format dummy, first
+                   update_config to load format auto), as on stock vLLM.
+  --backend disk   the draft disk backend of an unmerged vLLM pull request
+                   (#52152), not in stock vLLM: update_weights takes a
+                   checkpoint directory. /collective_rpc works here too.
+--load-format dummy starts with random weights (as vllm serve --load-format
+dummy) and a reload_weights then redraws them until update_config sets the
+load format to auto: the trap a client must avoid.
 
 Each server has its own state. --listen is repeatable; --servers N serves N
 doubles on consecutive ports starting at the (single) --listen address. It
@@ -48,40 +95,31 @@ path such as /update_weights, or * for every route:
 			if err != nil {
 				return &exitError{code: 2, err: err}
 			}
-			cfg.Generation = double.Generation(strings.ToUpper(gen))
-			if apiKeyEnv != "" {
-				if cfg.APIKey = os.Getenv(apiKeyEnv); cfg.APIKey == "" {
-					return &exitError{code: 2, err: fmt.Errorf("--api-key-env: $%s is empty or unset", apiKeyEnv)}
-				}
+			cfg, err := fl.config()
+			if err != nil {
+				return err
 			}
-			for _, ff := range []struct {
-				flag string
-				vals []string
-				dst  *map[string]float64
-			}{{"--error-rate", errorRate, &cfg.Faults.ErrorRate}, {"--drop-rate", dropRate, &cfg.Faults.DropRate}, {"--slow-rate", slowRate, &cfg.Faults.SlowRate}} {
-				if *ff.dst, err = parseRates(ff.flag, ff.vals); err != nil {
-					return &exitError{code: 2, err: err}
-				}
-			}
-			return serveDoubles(cmd.Context(), cfg, addrs)
+			return serve(cmd.Context(), cfg, addrs)
 		},
 	}
 	f := cmd.Flags()
 	f.StringArrayVar(&listen, "listen", []string{"127.0.0.1:8000"}, "host:port to serve on (repeatable: one double per address)")
 	f.IntVar(&servers, "servers", 1, "number of doubles, on consecutive ports from --listen")
-	f.StringVar(&gen, "generation", string(double.GenD), "vLLM RLHF API generation: B, C or D")
-	f.StringVar(&cfg.Backend, "backend", double.BackendDisk, "weight-transfer backend: disk or nccl (nccl: rendezvous only, no data plane)")
-	f.BoolVar(&cfg.DevMode, "dev-mode", true, "serve the RLHF routes (as VLLM_SERVER_DEV_MODE=1 does)")
-	f.StringVar(&cfg.ModelPath, "model", "", "bigram safetensors checkpoint to serve (default: an untrained model from --seed)")
-	f.StringVar(&cfg.ModelName, "model-name", double.DefaultModelName, "served model name")
-	f.Uint64Var(&cfg.Seed, "seed", 0, "seed of the untrained model, unseeded sampling and faults")
-	f.DurationVar(&cfg.Latency, "latency", 0, "time each sequence holds a slot (e.g. 50ms)")
-	f.IntVar(&cfg.MaxConcurrent, "slots", 0, "sequences served at once (0 = unlimited)")
-	f.StringVar(&apiKeyEnv, "api-key-env", "", "environment variable holding the API key required on /v1/* (vLLM's --api-key)")
-	f.StringArrayVar(&errorRate, "error-rate", nil, "ROUTE=P: answer HTTP 500 with probability P")
-	f.StringArrayVar(&dropRate, "drop-rate", nil, "ROUTE=P: close the connection without an answer with probability P")
-	f.StringArrayVar(&slowRate, "slow-rate", nil, "ROUTE=P: delay the route by --slow-by with probability P")
-	f.DurationVar(&cfg.Faults.SlowBy, "slow-by", time.Second, "delay of a slow fault")
+	f.StringVar(&fl.gen, "generation", string(double.GenD), "vLLM RLHF API generation: B, C, D or E (E: the newest, stock vLLM of December 2026)")
+	f.StringVar(&fl.cfg.Backend, "backend", double.BackendDisk, "weight-transfer backend: disk (the draft of vLLM PR #52152, not stock) or nccl (stock; rendezvous only, no data plane)")
+	f.StringVar(&fl.loadFormat, "load-format", double.LoadFormatAuto, "vLLM's --load-format: auto (load --model) or dummy (random weights; reload_weights redraws them until update_config sets auto)")
+	f.BoolVar(&fl.cfg.NoWeightChecker, "no-weight-checker", false, "serve no /weight_checker (as routers without it: 404)")
+	f.BoolVar(&fl.cfg.DevMode, "dev-mode", true, "serve the RLHF routes, /collective_rpc and /server_info (as VLLM_SERVER_DEV_MODE=1 does)")
+	f.StringVar(&fl.cfg.ModelPath, "model", "", "bigram safetensors checkpoint to serve (default: an untrained model from --seed)")
+	f.StringVar(&fl.cfg.ModelName, "model-name", double.DefaultModelName, "served model name")
+	f.Uint64Var(&fl.cfg.Seed, "seed", 0, "seed of the untrained model and the dummy weights, unseeded sampling and faults")
+	f.DurationVar(&fl.cfg.Latency, "latency", 0, "time each sequence holds a slot (e.g. 50ms)")
+	f.IntVar(&fl.cfg.MaxConcurrent, "slots", 0, "sequences served at once (0 = unlimited)")
+	f.StringVar(&fl.apiKeyEnv, "api-key-env", "", "environment variable holding the API key required on /v1/* (vLLM's --api-key)")
+	f.StringArrayVar(&fl.errorRate, "error-rate", nil, "ROUTE=P: answer HTTP 500 with probability P")
+	f.StringArrayVar(&fl.dropRate, "drop-rate", nil, "ROUTE=P: close the connection without an answer with probability P")
+	f.StringArrayVar(&fl.slowRate, "slow-rate", nil, "ROUTE=P: delay the route by --slow-by with probability P")
+	f.DurationVar(&fl.cfg.Faults.SlowBy, "slow-by", time.Second, "delay of a slow fault")
 	return cmd
 }
 
@@ -203,13 +241,16 @@ func serveDoubles(ctx context.Context, cfg double.Config, addrs []string) error 
 		return err
 	}
 	model := cfg.ModelPath
-	if model == "" {
+	switch {
+	case d.srvs[0].Config().LoadFormat == double.LoadFormatDummy:
+		model = fmt.Sprintf("dummy weights, seed %d (--model is not read)", cfg.Seed)
+	case model == "":
 		model = fmt.Sprintf("untrained bigram, seed %d (demo-train --init random:%d)", cfg.Seed, cfg.Seed)
 	}
 	for i, s := range d.srvs {
 		eff := s.Config()
 		log.Info(doubleBanner, "url", d.urls[i], "generation", eff.Generation, "backend", eff.Backend,
-			"dev_mode", eff.DevMode, "model", model, "latency", eff.Latency, "slots", eff.MaxConcurrent)
+			"load_format", eff.LoadFormat, "dev_mode", eff.DevMode, "model", model, "latency", eff.Latency, "slots", eff.MaxConcurrent)
 		if host, _, _ := net.SplitHostPort(strings.TrimPrefix(d.urls[i], "http://")); !isLoopback(host) {
 			log.Warn("the double listens beyond loopback; it has no authentication unless --api-key-env is set", "url", d.urls[i])
 		}

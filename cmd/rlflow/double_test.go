@@ -1,10 +1,14 @@
 package main
 
 import (
+	"context"
+	"io"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/rlflow/rlflow/vllm/double"
 )
 
 func TestDoubleAddrs(t *testing.T) {
@@ -56,5 +60,59 @@ func TestEnvInt(t *testing.T) {
 		if got != c.want || (err == nil) != (c.err == "") || (err != nil && err.Error() != c.err) {
 			t.Errorf("envInt with %q = %d, %v; want %d, %q", c.env, got, err, c.want, c.err)
 		}
+	}
+}
+
+// doubleConfigFrom runs vllm-double with args and returns the Config its
+// doubles would get (nothing is served).
+func doubleConfigFrom(t *testing.T, args ...string) (double.Config, error) {
+	t.Helper()
+	var got double.Config
+	cmd := doubleCmd(func(_ context.Context, cfg double.Config, _ []string) error {
+		got = cfg
+		return nil
+	})
+	cmd.SetArgs(args)
+	cmd.SetOut(io.Discard)
+	cmd.SetErr(io.Discard)
+	err := cmd.Execute()
+	return got, err
+}
+
+func TestDoubleFlags(t *testing.T) {
+	cfg, err := doubleConfigFrom(t)
+	require.NoError(t, err)
+	assert.Equal(t, double.GenD, cfg.Generation, "the default generation stays D")
+	assert.Equal(t, double.BackendDisk, cfg.Backend, "the --backend default stays disk")
+	assert.Equal(t, double.LoadFormatAuto, cfg.LoadFormat)
+	assert.False(t, cfg.NoWeightChecker)
+	assert.True(t, cfg.DevMode)
+
+	cfg, err = doubleConfigFrom(t, "--generation", "e", "--backend", "nccl", "--load-format", "DUMMY", "--no-weight-checker")
+	require.NoError(t, err)
+	assert.Equal(t, double.GenE, cfg.Generation)
+	assert.Equal(t, double.BackendNCCL, cfg.Backend)
+	assert.Equal(t, double.LoadFormatDummy, cfg.LoadFormat)
+	assert.True(t, cfg.NoWeightChecker)
+	s, err := double.New(cfg)
+	require.NoError(t, err, "the flags make a valid double")
+	s.Close()
+
+	for _, bad := range [][]string{{"--load-format", "safetensors"}, {"--generation", "F"}} {
+		cfg, err := doubleConfigFrom(t, bad...)
+		require.NoError(t, err, "the double validates the value")
+		_, err = double.New(cfg)
+		assert.Error(t, err, "%v", bad)
+	}
+	_, err = doubleConfigFrom(t, "--error-rate", "nope")
+	var ee *exitError
+	require.ErrorAs(t, err, &ee)
+	assert.Equal(t, 2, ee.code)
+}
+
+func TestDoubleHelpNamesTheDouble(t *testing.T) {
+	long := newDoubleCmd().Long
+	for _, want := range []string{"TEST AND DEMO DOUBLES", "NOT an", "#52152", "/collective_rpc", "--load-format dummy", "generation B, C, D or E"} {
+		assert.Contains(t, long, want)
 	}
 }
