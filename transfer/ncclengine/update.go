@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rlflow/rlflow/nccl/plan"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/transfer"
@@ -31,6 +32,9 @@ var errServerFailed = errors.New("aborted because a server failed")
 // retried once instead of failing every attempt on "already open".
 func (e *Engine) update(ctx context.Context, g *group, fleet vllm.Fleet, ck *safetensors.Checkpoint, u staging.Update,
 	info vllm.UpdateInfo, version string, timeout time.Duration, fresh bool, progress *transfer.Progress) (staging.Result, error) {
+	if err := e.checkReceivable(u); err != nil {
+		return staging.Result{}, err
+	}
 	uctx, cancel := withTimeoutCause(ctx, timeout, fmt.Errorf("the update did not complete within %v (update_timeout)", timeout))
 	defer cancel()
 	hctx, hcancel := context.WithCancelCause(uctx)
@@ -101,4 +105,31 @@ func (e *Engine) update(ctx context.Context, g *group, fleet vllm.Fleet, ck *saf
 	}
 	return res, transfer.TransportErrorf(ctx, first, "broadcast to %s (%d of %d bytes sent%s%s)%s",
 		transfer.ServerList(fleet), progress.Sent(), u.Bytes(), aborted, note, e.healthNote())
+}
+
+// checkReceivable refuses, as BadInput and before any update session opens
+// or any byte is broadcast, an update every vLLM worker would accept and
+// then fail to receive: a packed layout its unpacking cannot view (a 0-dim
+// tensor, an offset not a multiple of the item size), or a non-packed fp8
+// broadcast the loaded NCCL has no type for. Either failure would otherwise
+// come from inside the update, with every receiver waiting on NCCL.
+func (e *Engine) checkReceivable(u staging.Update) error {
+	if u.Packed {
+		if err := plan.CheckPackedReceivable(u.Tensors, plan.Packed(u.Tensors, u.Threshold)); err != nil {
+			return transfer.BadInputf("broadcast refused, nothing sent: %v", err)
+		}
+		return nil
+	}
+	bs, err := plan.NonPacked(u.Tensors)
+	if err != nil {
+		return transfer.BadInputf("broadcast refused, nothing sent: %v", err)
+	}
+	v, err := e.cfg.API.NCCLVersion()
+	if err != nil {
+		return transfer.Errorf(transfer.NCCLFailed, err, "broadcast: the loaded NCCL's version")
+	}
+	if err := plan.CheckNCCLVersion(u.Tensors, bs, v); err != nil {
+		return transfer.BadInputf("broadcast refused, nothing sent: %v", err)
+	}
+	return nil
 }
