@@ -8,12 +8,16 @@
 #   2. correctness (byte-exact W2/W3 packed and non-packed, F32->BF16, a peer
 #      that never joins, a killed receiver);
 #   3. the NCCL engine (transfer/ncclengine) through the transfer activities against vLLM-like HTTP receivers;
-#   4. the GPU worker SIGKILLed mid-broadcast on a real dev server.
+#   4. what vLLM's receiver can take (issue 17): fp8 (float8_e4m3fn as NCCL
+#      type 10) non-packed byte-exact, a packed checkpoint with a 0-dim tensor
+#      refused before anything is sent, and torch's own view rules against
+#      the planner's packed check (gpu-issue17.log);
+#   5. the GPU worker SIGKILLed mid-broadcast on a real dev server.
 # Logs go to $OUT (gpu-*.log, gpu-logs.tgz with figures.json).
 # Knobs: ONLY_BENCH=1 stops after 1; BENCH (the -test.run of 1); STAGE (the
 # sweep's RLFLOW_STAGE_CONFIGS); PASSES (RLFLOW_STAGE_PASSES, default 5);
 # RAW_ROUNDS (RLFLOW_RAW_ROUNDS, default 3); QUIET_WAIT (seconds, default 0);
-# T_BENCH, T_CORR, T_TRANSFER, T_REC (seconds).
+# T_BENCH, T_CORR, T_TRANSFER, T_I17, T_REC (seconds).
 set -o pipefail
 for b in staging-gpu.test ncclengine.test e2e.test rlflow temporal; do
 	xz -dc .carry/$b.xz > /tmp/$b && chmod +x /tmp/$b || exit 2
@@ -91,6 +95,10 @@ if [ -z "$ONLY_BENCH" ]; then
 	timeout "${T_TRANSFER:-80}" /tmp/ncclengine.test -test.v -test.timeout 10m -test.run TestGPUTransferToHTTPReceivers > "$OUT/gpu-transfer.log" 2>&1
 	step transfer $?
 	grep -E "^(---|    ---)" "$OUT/gpu-transfer.log"
+
+	timeout "${T_I17:-120}" /tmp/ncclengine.test -test.v -test.timeout 10m -test.run '^(TestGPUFP8NonPacked|TestGPUPackedZeroDimRefused|TestTorchUnpackRuleMatchesPlan)$' > "$OUT/gpu-issue17.log" 2>&1
+	step issue17 $?
+	grep -E "^GPU-(PASS|FAIL)|^(---|    ---)" "$OUT/gpu-issue17.log" | cut -c1-400
 
 	cd "$R/e2e" || exit 2
 	RLFLOW_TEMPORAL=/tmp/temporal RLFLOW_BIN=/tmp/rlflow timeout "${T_REC:-90}" /tmp/e2e.test -test.v -test.timeout 10m -test.run 'TestGPUHostWorkerSIGKILLDuringBroadcast$' > "$OUT/gpu-recovery.log" 2>&1

@@ -33,6 +33,14 @@ the pure broadcast throughput figure.
 
 --self-test checks the packing rule and the pickle shim, --plan-only prints the
 wire sequence it would expect for --meta; neither needs torch or a GPU.
+--unpack-check FILE views packed layouts as vLLM's packed consumer does, on
+the CPU (torch, no GPU), and prints which tensors torch refuses (UNPACK
+{json}): the ground truth for rlflow's refusal of packed checkpoints vLLM
+cannot unpack (a 0-dim tensor, an offset not a multiple of the item size).
+
+Non-packed broadcasts use vLLM's NCCL type per dtype (NCCL_DTYPES), among
+them float8_e4m3fn as ncclFloat8e4m3 (10, NCCL >= 2.24); a dtype vLLM does
+not map is refused with a 500, as vLLM's from_torch raises.
 
 HTTP mode (--http PORT --api C|D) is a vLLM-like server front instead of a
 one-shot receiver: it serves the dev-mode weight-transfer routes rlflow's
@@ -52,7 +60,10 @@ One rank per server (world size 1).
 It also serves vLLM's generation control, POST /pause?mode=abort|wait|keep
 ({"status": "paused"}), POST /resume ({"status": "resumed"}) and GET
 /is_paused ({"is_paused": bool}); there is no generation, only the state.
-GET /received also holds, for recovery tests: the receive progress of the
+With --vllm-unpack every packed chunk is also unpacked as vLLM does (split,
+view(dtype), view(*shape)), so a layout vLLM cannot view fails the update
+here as it would there. The stats of GET /received name the NCCL type of
+every tensor's broadcast (nccl_types). GET /received also holds, for recovery tests: the receive progress of the
 running update (chunks and bytes arrived, without a sync), the SHA-256s and
 weight version (named by finish_weight_update) of every completed update
 and whether it ran paused, every failed update_weights (error, time, chunks
@@ -76,13 +87,19 @@ import tempfile
 import threading
 import time
 
+# The NCCL type of each dtype a non-packed broadcast carries, as vLLM's
+# ncclDataTypeEnum.from_torch maps them (float8_e4m3fn is ncclFloat8e4m3,
+# NCCL >= 2.24); packed chunks are ncclUint8 whatever their dtypes.
 NCCL_DTYPES = {
     "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4,
     "uint64": 5, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+    "float8_e4m3fn": 10,
 }
 ITEMSIZE = {
     "int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8,
     "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "bool": 1,
+    "int16": 2, "uint16": 2,
 }
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
 
@@ -145,6 +162,49 @@ def plan_chunks(sizes, packed, threshold):
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def vllm_view(torch, piece, dtype, shape):
+    """vLLM's packed consumer's view of one piece of a received uint8 chunk
+    (a piece of chunk.split(sizes)): .contiguous().view(dtype).view(*shape).
+    torch raises for a 0-dim shape (view() with no sizes) and for a piece
+    whose byte offset is not a multiple of the dtype's item size."""
+    return piece.contiguous().view(getattr(torch, dtype)).view(*[int(n) for n in shape])
+
+
+def vllm_unpack(torch, chunk, names, dtypes, shapes, sizes):
+    """One received chunk unpacked as vLLM does; name -> flat uint8 view."""
+    return {name: vllm_view(torch, piece, d, shape).reshape(-1).view(torch.uint8)
+            for name, d, shape, piece in zip(names, dtypes, shapes, chunk.split(sizes))}
+
+
+def unpack_check(path):
+    """--unpack-check FILE: for every case of FILE ({"cases": [{"names",
+    "dtype_names", "shapes"}]}, each case one packed chunk) view every tensor
+    as vLLM does, on the CPU, and report the ones torch refuses with its
+    message: the ground truth for rlflow's CheckPackedReceivable. A case with
+    a dtype this torch lacks gets no verdict (missing_dtypes)."""
+    import torch
+    with open(path) as f:
+        cases = json.load(f)["cases"]
+    results = []
+    for c in cases:
+        names, dtypes, shapes = c["names"], c["dtype_names"], c["shapes"]
+        missing = sorted(set(d for d in dtypes if not hasattr(torch, d)))
+        if missing:  # an older torch (no float8_e4m3fn before 2.1): no verdict
+            results.append({"refused": {}, "missing_dtypes": missing})
+            continue
+        sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
+        pieces = torch.zeros(sum(sizes), dtype=torch.uint8).split(sizes)
+        refused = {}
+        for name, d, shape, piece in zip(names, dtypes, shapes, pieces):
+            try:
+                vllm_view(torch, piece, d, shape)
+            except Exception as e:  # TypeError (0-dim), RuntimeError (offset)
+                refused[name] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0])
+        results.append({"refused": refused})
+    emit("UNPACK", torch=torch.__version__, results=results)
+    return 0
 
 
 class Nccl:
@@ -217,6 +277,9 @@ def self_test():
     assert plan_chunks([3, 3, 3], True, 6) == [[0, 1, 2]]
     assert plan_chunks([7], True, 6) == [[0]]
     assert plan_chunks([], True, 6) == []
+    # vLLM's from_torch: float8_e4m3fn is ncclFloat8e4m3; e5m2 has no mapping.
+    assert NCCL_DTYPES["float8_e4m3fn"] == 10 and ITEMSIZE["float8_e4m3fn"] == 1
+    assert "float8_e5m2" not in NCCL_DTYPES and ITEMSIZE["float8_e5m2"] == 1
     mod = install_shim()
     uid = mod.ncclUniqueId()
     for i in range(128):
@@ -453,6 +516,10 @@ class HTTPWorker:
             names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise HTTPFailure(500, "ValueError: update_info lists differ in length")
+            unknown = sorted(set(d for d in dtypes if d not in (ITEMSIZE if packed else NCCL_DTYPES)))
+            if unknown:
+                # vLLM's from_torch raises for a non-packed dtype it does not map.
+                raise HTTPFailure(500, "ValueError: Unsupported dtype %s" % ", ".join(unknown))
             sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
             chunks = plan_chunks(sizes, packed, threshold)
             with self.state:
@@ -463,7 +530,7 @@ class HTTPWorker:
                 self.event("update %d: receiving %d chunks" % (n, len(chunks)))
             t0 = time.perf_counter()
             try:
-                received = self.receive(names, dtypes, shapes, sizes, chunks, packed)
+                received, types = self.receive(names, dtypes, shapes, sizes, chunks, packed)
             except Exception as e:
                 # The trainer died or aborted (NCCL error) or the deadline
                 # passed: abort the communicator, whose kernels then exit; the
@@ -483,7 +550,8 @@ class HTTPWorker:
             import hashlib
             digests = {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
             stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
-                     "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed}
+                     "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed,
+                     "vllm_unpack": bool(packed and self.args.vllm_unpack), "nccl_types": types}
             with self.state:
                 entry = {"update": n, "at": time.time(), "sha256": digests, "version": None,
                          "paused": self.paused, "stats": stats}
@@ -497,7 +565,11 @@ class HTTPWorker:
         return {"message": "Weights updated"}
 
     def receive(self, names, dtypes, shapes, sizes, chunks, packed):
-        """The broadcasts of one update; returns name -> uint8 view.
+        """The broadcasts of one update; returns name -> uint8 view and the
+        NCCL type of each broadcast (per tensor name; ncclUint8 for packed).
+        With --vllm-unpack each packed chunk is unpacked as vLLM does
+        (vllm_unpack), so a layout vLLM cannot view fails here as it would
+        there.
 
         A CUDA event after each chunk's broadcast tells, without a sync,
         how many chunks have arrived (GET /received's progress). With
@@ -524,20 +596,27 @@ class HTTPWorker:
                     self.progress["chunks_done"] = k
                     self.progress["bytes_done"] = ends[k - 1]
 
-        received = {}
+        received, types = {}, {}
         for chunk in chunks:
             if packed:
                 nbytes = sum(sizes[i] for i in chunk)
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
                 self.nccl.broadcast(ctypes.c_void_p(buf.data_ptr()), nbytes, NCCL_UINT8, self.comm, sp)
-                off = 0
                 for i in chunk:
-                    received[names[i]] = buf[off:off + sizes[i]]
-                    off += sizes[i]
+                    types[names[i]] = NCCL_UINT8
+                if self.args.vllm_unpack:
+                    received.update(vllm_unpack(torch, buf, [names[i] for i in chunk], [dtypes[i] for i in chunk],
+                                                [shapes[i] for i in chunk], [sizes[i] for i in chunk]))
+                else:
+                    off = 0
+                    for i in chunk:
+                        received[names[i]] = buf[off:off + sizes[i]]
+                        off += sizes[i]
             else:
                 i = chunk[0]
                 t = torch.empty([int(d) for d in shapes[i]], dtype=getattr(torch, dtypes[i]), device=self.dev)
                 self.nccl.broadcast(ctypes.c_void_p(t.data_ptr()), t.numel(), NCCL_DTYPES[dtypes[i]], self.comm, sp)
+                types[names[i]] = NCCL_DTYPES[dtypes[i]]
                 received[names[i]] = t.reshape(-1).view(torch.uint8)
             ev = torch.cuda.Event()
             ev.record(stream)
@@ -546,7 +625,7 @@ class HTTPWorker:
                 self.nccl.wait(ev, self.comm, deadline, advance)
                 time.sleep(self.args.chunk_delay)
         self.nccl.wait(stream, self.comm, deadline, advance)
-        return received
+        return received, types
 
     def report(self):
         with self.state:
@@ -676,6 +755,12 @@ def main():
     ap.add_argument("--chunk-delay", type=float, default=0.0, metavar="SECONDS",
                     help="--http, test control: after each chunk has arrived, wait this long before receiving the next "
                          "(the trainer's next broadcast waits too), so that a test can act in the middle of an update")
+    ap.add_argument("--vllm-unpack", action="store_true", default=os.environ.get("RECEIVER_VLLM_UNPACK") == "1",
+                    help="--http: unpack every packed chunk as vLLM does (split, view(dtype), view(*shape)), "
+                         "so that a layout vLLM cannot view fails here too (default: RECEIVER_VLLM_UNPACK=1)")
+    ap.add_argument("--unpack-check", metavar="FILE",
+                    help="view the packed cases of FILE as vLLM does, on the CPU, print UNPACK {json} with the "
+                         "tensors torch refuses and exit (needs torch, no GPU)")
     ap.add_argument("--plan-only", action="store_true",
                     help="print the wire sequence planned from --meta as PLAN {json} and exit (no torch, no GPU)")
     args = ap.parse_args()
@@ -683,6 +768,8 @@ def main():
     if args.self_test:
         self_test()
         return 0
+    if args.unpack_check:
+        return unpack_check(args.unpack_check)
     if args.http:
         return serve_http(args)
     if args.plan_only:
@@ -771,7 +858,7 @@ def main():
     total = sum(sizes)
     log("%d tensors, %d bytes, %s, %d broadcasts" % (len(names), total, "packed T=%d" % threshold if packed else "non-packed", len(chunks)))
 
-    torch_dtype = {n: getattr(torch, n) for n in NCCL_DTYPES}
+    torch_dtype = {n: getattr(torch, n) for n in set(dtypes)}
     received = {}  # name -> uint8 view of the received bytes
     t0 = time.perf_counter()
     for k, chunk in enumerate(chunks):
