@@ -153,8 +153,9 @@ type Client struct {
 	http  *http.Client
 	oai   *openai.Client
 
-	mu  sync.Mutex
-	gen Generation // pinned or detected; "" until known
+	mu      sync.Mutex
+	gen     Generation // pinned or detected; "" until known
+	version string     // GET /version's answer once read; "" until then
 }
 
 // New returns a client for the server at baseURL, the server's root

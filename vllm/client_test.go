@@ -119,8 +119,8 @@ func TestNewRejectsBadURLs(t *testing.T) {
 		assert.ErrorContains(t, err, want, raw)
 		assert.NotContains(t, err.Error(), ":p@", "a password never reaches an error")
 	}
-	_, err := vllm.New("http://h:1", vllm.Options{Generation: "E"})
-	assert.ErrorContains(t, err, `unknown vLLM API generation "E"`)
+	_, err := vllm.New("http://h:1", vllm.Options{Generation: "F"})
+	assert.ErrorContains(t, err, `unknown vLLM API generation "F"`)
 }
 
 func TestUpdateTimeoutFor(t *testing.T) {
@@ -155,7 +155,12 @@ func TestDetectGeneration(t *testing.T) {
 	assert.Equal(t, vllm.GenC, g)
 	s = newServer(t, double.Config{Generation: double.GenD, DevMode: true, Version: "main"})
 	_, err = client(t, s, vllm.Options{}).DetectGeneration(ctx)
-	assert.ErrorContains(t, err, `GET /version: server has sessions, so it is C or D, but version "main" does not parse`)
+	assert.ErrorContains(t, err, `GET /version: server has sessions, so it is C, D or E, but version "main" does not parse`)
+	// The newest generation by its version.
+	s = newServer(t, double.Config{Generation: double.GenE, DevMode: true})
+	g, err = client(t, s, vllm.Options{}).DetectGeneration(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, vllm.GenE, g)
 
 	off := newServer(t, double.Config{})
 	_, err = client(t, off, vllm.Options{}).DetectGeneration(ctx)

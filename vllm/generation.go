@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -23,22 +24,54 @@ const (
 	// GenC: B plus start/finish sessions, weight versions and the checker.
 	GenC Generation = "C"
 	// GenD: as C, but packed settings move to init_info, which also accepts
-	// nccl_unique_id_b64 (vLLM 0.28+).
+	// nccl_unique_id_b64 in its newest builds (vLLM 0.28+).
 	GenD Generation = "D"
+	// GenE, the newest: payloads as D, but the router validates bodies
+	// first (400 for a non-object body, a missing or non-object init_info,
+	// an update_info neither an object nor a list of objects; worker errors
+	// stay 500), update_info may be a list with one payload per inference
+	// worker, init_info takes nccl_unique_id_b64, a failed update_weights
+	// closes the worker's session itself, and the source tree uses the
+	// vllm.backends layout (spec section 8).
+	GenE Generation = "E"
 )
 
-// ParseGeneration accepts "A".."D" in either case.
+// Generations lists every generation, oldest first.
+var Generations = []Generation{GenA, GenB, GenC, GenD, GenE}
+
+// ParseGeneration accepts "A".."E" in either case.
 func ParseGeneration(s string) (Generation, error) {
-	switch g := Generation(strings.ToUpper(strings.TrimSpace(s))); g {
-	case GenA, GenB, GenC, GenD:
+	g := Generation(strings.ToUpper(strings.TrimSpace(s)))
+	if slices.Contains(Generations, g) {
 		return g, nil
 	}
-	return "", fmt.Errorf("unknown vLLM API generation %q (want A, B, C or D)", s)
+	return "", fmt.Errorf("unknown vLLM API generation %q (want A, B, C, D or E)", s)
 }
 
 // HasSessions reports whether the generation has update sessions
-// (start/finish_weight_update) and weight versions: C and D.
-func (g Generation) HasSessions() bool { return g == GenC || g == GenD }
+// (start/finish_weight_update) and weight versions: C, D and E.
+func (g Generation) HasSessions() bool { return g == GenC || g == GenD || g == GenE }
+
+// TakesUniqueIDB64 reports whether every server of the generation accepts
+// init_info.nccl_unique_id_b64, so the trainer can hand it the NCCL unique
+// id without a TCPStore or a pickle: E. (Only the newest D builds take it,
+// and a D server cannot tell which build it is.)
+func (g Generation) TakesUniqueIDB64() bool { return g == GenE }
+
+// ClosesFailedSession reports whether the server closes its update session
+// itself when update_weights fails (E): finishing it afterwards is answered
+// with a 500 that is no leak.
+func (g Generation) ClosesFailedSession() bool { return g == GenE }
+
+// BackendsLayout reports whether the server's source tree is the
+// vllm.backends layout (E), where vllm.distributed moved to
+// vllm.backends.distributed and the old module names resolve only through
+// compatibility shims: a pickled NCCL unique id should name the new module.
+func (g Generation) BackendsLayout() bool { return g == GenE }
+
+// TakesUpdateInfoList reports whether update_info may be a list with one
+// payload per inference worker (E).
+func (g Generation) TakesUpdateInfoList() bool { return g == GenE }
 
 // Generation returns the pinned or detected generation, "" if neither yet.
 func (c *Client) Generation() Generation {
@@ -57,6 +90,14 @@ func (c *Client) generation(ctx context.Context) (Generation, error) {
 // firstGenD is the first vLLM release of generation D (spec section 0).
 const firstGenDMajor, firstGenDMinor = 0, 28
 
+// firstGenE is the first vLLM release rlflow treats as generation E. The
+// spec (section 8, December 2026) describes the newest builds without a
+// release number; 0.30 is the first minor after the 0.28/0.29 line the D
+// rules were checked against. A build that differs is pinned with the
+// server's api: E (or D) in the pipeline. The vLLM double reports 0.30.0
+// for E.
+const firstGenEMajor, firstGenEMinor = 0, 30
+
 // DetectGeneration probes the server and remembers the answer; a pinned
 // Options.Generation is returned without probing.
 //
@@ -71,9 +112,9 @@ const firstGenDMajor, firstGenDMinor = 0, 28
 //   - /init_weight_transfer_engine 404 and /init_weight_transfer 405: A.
 //   - both 404: dev mode is off (VLLM_SERVER_DEV_MODE=1 missing): error.
 //   - /start_weight_update 404: B.
-//   - otherwise C or D, told apart by GET /version (D is vLLM >= 0.28);
-//     without a readable version the generation cannot be known: error,
-//     pin it with Options.Generation.
+//   - otherwise C, D or E, told apart by GET /version (D is vLLM >= 0.28,
+//     E >= 0.30); without a readable version the generation cannot be
+//     known: error, pin it with Options.Generation.
 func (c *Client) DetectGeneration(ctx context.Context) (Generation, error) {
 	if c.opts.Generation != "" {
 		return c.opts.Generation, nil
@@ -118,18 +159,30 @@ func (c *Client) detect(ctx context.Context) (Generation, error) {
 	if _, err := c.do(ctx, cl, &v); err != nil {
 		var e *Error
 		if errors.As(err, &e) {
-			e.Message = "server has sessions, so it is C or D, but its version is unreadable, so it cannot tell which (pin the generation): " + e.Message
+			e.Message = "server has sessions, so it is C, D or E, but its version is unreadable, so it cannot tell which (pin the generation): " + e.Message
 		}
 		return "", err
 	}
 	major, minor, ok := parseVersion(v.Version)
 	if !ok {
-		return "", c.errorf(cl, 0, nil, "server has sessions, so it is C or D, but version %q does not parse, so it cannot tell which (pin the generation)", v.Version)
+		return "", c.errorf(cl, 0, nil, "server has sessions, so it is C, D or E, but version %q does not parse, so it cannot tell which (pin the generation)", v.Version)
 	}
-	if major > firstGenDMajor || (major == firstGenDMajor && minor >= firstGenDMinor) {
-		return GenD, nil
+	c.mu.Lock()
+	c.version = v.Version
+	c.mu.Unlock()
+	return generationOf(major, minor), nil
+}
+
+// generationOf is the generation of a vLLM release that has sessions.
+func generationOf(major, minor int) Generation {
+	atLeast := func(m, n int) bool { return major > m || (major == m && minor >= n) }
+	switch {
+	case atLeast(firstGenEMajor, firstGenEMinor):
+		return GenE
+	case atLeast(firstGenDMajor, firstGenDMinor):
+		return GenD
 	}
-	return GenC, nil
+	return GenC
 }
 
 // routeExists probes path with GET: 405 = the (POST) route exists, 404 = it

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -22,14 +23,14 @@ type InitInfo struct {
 	RankOffset    int // this server's first rank; the first server gets 1
 	WorldSize     int // the whole group: 1 (trainer) + every server's world size
 
-	// Packed settings are sent in init_info only on D; B and C take them in
-	// update_info (UpdateInfo), so here they are dropped for B/C/A.
+	// Packed settings are sent in init_info only on D and E; B and C take
+	// them in update_info (UpdateInfo), so here they are dropped for B/C/A.
 	Packed                bool
 	PackedBufferSizeBytes int64 // 0: the server's default (1 GiB)
 	PackedNumBuffers      int   // 0: the server's default (2)
 
-	// NCCLUniqueIDB64 (D only, newest builds) replaces MasterAddress and
-	// MasterPort: the id travels in the request, no TCPStore is involved.
+	// NCCLUniqueIDB64 (E, and the newest D builds) replaces MasterAddress
+	// and MasterPort: the id travels in the request, no TCPStore is involved.
 	NCCLUniqueIDB64 string
 }
 
@@ -41,7 +42,7 @@ type UpdateInfo struct {
 	Shapes     [][]int64 // one per name; [] for a scalar
 
 	// Packed settings are sent in update_info on A (packed only), B and C.
-	// On D they were fixed by init_info and are not sent here (a 500 there),
+	// On D and E they were fixed by init_info and are not sent here (a 500 there),
 	// but pass the same values so the caller's broadcast plan is the same.
 	Packed                bool
 	PackedBufferSizeBytes int64
@@ -88,8 +89,9 @@ type (
 // NCCL init concurrently (call this from another goroutine). Never retried.
 //
 // Placement: A, B, C send {master_address, master_port, rank_offset,
-// world_size}; D adds packed, packed_buffer_size_bytes, packed_num_buffers
-// (when Packed) and may replace address and port by nccl_unique_id_b64.
+// world_size}; D and E add packed, packed_buffer_size_bytes,
+// packed_num_buffers (when Packed) and may replace address and port by
+// nccl_unique_id_b64.
 func (c *Client) InitWeightTransfer(ctx context.Context, info InitInfo) error {
 	cl := call{method: http.MethodPost, path: "/init_weight_transfer_engine", timeout: c.opts.Timeouts.init(), timeoutOf: "Init"}
 	gen, err := c.generation(ctx)
@@ -120,8 +122,8 @@ func initPayload(gen Generation, info InitInfo) (any, error) {
 		return struct{}{}, nil
 	}
 	if info.NCCLUniqueIDB64 != "" {
-		if gen != GenD {
-			return nil, fmt.Errorf("nccl_unique_id_b64 needs generation D, server is %s", gen)
+		if gen != GenD && gen != GenE {
+			return nil, fmt.Errorf("nccl_unique_id_b64 needs generation D (newest builds) or E, server is %s", gen)
 		}
 		if info.MasterAddress != "" || info.MasterPort != 0 {
 			return nil, fmt.Errorf("nccl_unique_id_b64 replaces master_address/master_port: set one or the other")
@@ -153,7 +155,7 @@ func initPayload(gen Generation, info InitInfo) (any, error) {
 		WorldSize:       info.WorldSize,
 		NCCLUniqueIDB64: info.NCCLUniqueIDB64,
 	}
-	if gen == GenD {
+	if gen == GenD || gen == GenE {
 		p.Packed, p.PackedBufferSizeBytes, p.PackedNumBuffers = info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers
 	}
 	return p, nil
@@ -189,7 +191,7 @@ func (c *Client) StartWeightUpdate(ctx context.Context) error {
 // broadcasts concurrently. Never retried.
 //
 // Placement: A sends {names, dtype_names, shapes, packed}; B and C add
-// packed_buffer_size_bytes and packed_num_buffers; D sends only names,
+// packed_buffer_size_bytes and packed_num_buffers; D and E send only names,
 // dtype_names and shapes. The disk backend sends {path}.
 func (c *Client) UpdateWeights(ctx context.Context, info UpdateInfo) error {
 	cl := call{method: http.MethodPost, path: "/update_weights", timeout: c.opts.Timeouts.update(info.CheckpointBytes), timeoutOf: "Update"}
@@ -202,6 +204,43 @@ func (c *Client) UpdateWeights(ctx context.Context, info UpdateInfo) error {
 		return c.errorf(cl, 0, nil, "%v", err)
 	}
 	_, err = c.do(ctx, withBody(cl, map[string]any{"update_info": payload}), nil)
+	return err
+}
+
+// UpdateWeightsPerWorker calls update_weights with update_info as a list:
+// infos[k] is the payload of inference worker k, k = data_parallel_index *
+// (TP*PP) + rank, so there is one per rank of the server's world size with
+// data parallelism (GET /get_world_size). Only E takes a list; dense NCCL
+// and disk updates send one object (UpdateWeights). Never retried.
+func (c *Client) UpdateWeightsPerWorker(ctx context.Context, infos []UpdateInfo) error {
+	var size int64
+	for _, in := range infos {
+		size = max(size, in.CheckpointBytes)
+	}
+	cl := call{method: http.MethodPost, path: "/update_weights", timeout: c.opts.Timeouts.update(size), timeoutOf: "Update"}
+	gen, err := c.generation(ctx)
+	if err != nil {
+		return err
+	}
+	if !gen.TakesUpdateInfoList() {
+		return c.errorf(cl, 0, nil, "update_info as a list (one payload per inference worker) needs generation E, server is %s", gen)
+	}
+	workers, err := c.WorldSize(ctx, true)
+	if err != nil {
+		return err
+	}
+	if len(infos) != workers {
+		return c.errorf(cl, 0, nil, "update_info list has %d payloads, the server has %d inference workers (world size with data parallelism): one each", len(infos), workers)
+	}
+	payloads := make([]any, len(infos))
+	for k, in := range infos {
+		p, err := updatePayload(gen, in)
+		if err != nil {
+			return c.errorf(cl, 0, nil, "update_info[%d]: %v", k, err)
+		}
+		payloads[k] = p
+	}
+	_, err = c.do(ctx, withBody(cl, map[string]any{"update_info": payloads}), nil)
 	return err
 }
 
@@ -302,10 +341,46 @@ func (c *Client) StartUpdateSession(ctx context.Context, closeStale bool) error 
 // it is not empty, even when ctx is already done and within
 // SessionCloseTimeout: a cancelled or failed update must not leave the
 // server mid-update, and a server that does not answer must not hang it.
+// A server that answers that no session is open (NoSessionOpen) had none
+// to close: that is returned as the error, for the caller to tell apart.
 func (c *Client) CloseUpdateSession(ctx context.Context, version string) error {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), SessionCloseTimeout)
 	defer cancel()
 	return c.FinishWeightUpdate(cctx, version)
+}
+
+// LabelWeights sets the weight version of a server whose session is
+// already closed (update_weight_version), bounded like CloseUpdateSession
+// and even when ctx is done: after an E server closed a failed update's
+// session itself, this records that its weights are the failed version's.
+func (c *Client) LabelWeights(ctx context.Context, version string) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), SessionCloseTimeout)
+	defer cancel()
+	return c.UpdateWeightVersion(cctx, version)
+}
+
+// noSessionMessages are how vLLM's workers (and the double) refuse to
+// finish when no update session is open: the newest builds, whose worker
+// closes a failed update's session itself, and the older wording.
+var noSessionMessages = []string{
+	"without a matching start_weight_update",
+	"without an open weight update session",
+}
+
+// NoSessionOpen reports whether err is a server's refusal to finish an
+// update session because none is open: after a failed update, the server
+// closed it itself (spec section 8), so nothing was left mid-update.
+func NoSessionOpen(err error) bool {
+	var e *Error
+	if !errors.As(err, &e) || e.Status < http.StatusInternalServerError || !strings.HasSuffix(e.Call, "/finish_weight_update") {
+		return false
+	}
+	for _, m := range noSessionMessages {
+		if strings.Contains(e.Message, m) {
+			return true
+		}
+	}
+	return false
 }
 
 // UpdateWeightVersion sets the server's weight version label (C, D).
