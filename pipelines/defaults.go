@@ -42,6 +42,11 @@ const (
 const (
 	DefaultPackedBufferBytes = 1 << 30
 	DefaultPackedNumBuffers  = 2
+
+	// weight_transfer.rendezvous values.
+	RendezvousAuto     = "auto"
+	RendezvousTCPStore = "tcpstore"
+	RendezvousUniqueID = "unique_id"
 )
 
 // The deadlines of calls to the servers default to the vLLM client's

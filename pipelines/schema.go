@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"regexp"
 	"strings"
+
+	"github.com/rlflow/rlflow/vllm"
 )
 
 // The tables below are the single description of the YAML schema: the
@@ -91,16 +93,24 @@ func (o *object) keyNames() []string {
 const maxInt32 = math.MaxInt32
 
 var (
-	nameRe       = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
-	stepIDRe     = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
-	identRe      = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
-	headlineRe   = regexp.MustCompile(`^[a-z][a-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_]*$`)
-	envVarRe     = identRe
-	durationRe   = `^(0|([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$`
-	sizeRe       = regexp.MustCompile(`^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$`)
-	paramTypes   = []string{string(ParamString), string(ParamInt), string(ParamFloat), string(ParamBool), string(ParamDuration)}
-	serverAPIs   = []string{"A", "B", "C", "D"}
+	nameRe     = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
+	stepIDRe   = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
+	identRe    = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	headlineRe = regexp.MustCompile(`^[a-z][a-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_]*$`)
+	envVarRe   = identRe
+	durationRe = `^(0|([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$`
+	sizeRe     = regexp.MustCompile(`^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$`)
+	paramTypes = []string{string(ParamString), string(ParamInt), string(ParamFloat), string(ParamBool), string(ParamDuration)}
+	serverAPIs = func() []string {
+		out := make([]string, len(vllm.Generations))
+		for i, g := range vllm.Generations {
+			out[i] = string(g)
+		}
+		return out
+	}()
 	transferKind = []string{BackendNCCL, BackendDisk}
+	// rendezvousKinds are weight_transfer.rendezvous's values.
+	rendezvousKinds = []string{RendezvousAuto, RendezvousTCPStore, RendezvousUniqueID}
 )
 
 var retryObj = &object{
@@ -150,6 +160,7 @@ var weightTransferObj = &object{
 		{name: "packed", def: false, doc: "pack tensors into large buffers before broadcasting"},
 		{name: "buffer_bytes", kind: kindSize, def: int64(DefaultPackedBufferBytes), doc: "packed: size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
 		{name: "num_buffers", min: bound(1), max: bound(maxInt32), def: int64(DefaultPackedNumBuffers), doc: "packed: packing buffers in flight"},
+		{name: "rendezvous", enum: rendezvousKinds, def: RendezvousAuto, doc: "nccl: how each server gets the NCCL unique id: auto passes it in init_info.nccl_unique_id_b64 to servers of API generation E and through the trainer's TCPStore (pickled) to the others; tcpstore and unique_id force one way for every server (unique_id also suits the newest generation-D builds)"},
 		{name: "gpu_task_queue", def: DefaultGPUTaskQueue, doc: "nccl: task queue the GPU workers poll for gpu_acquire"},
 		{name: "gpu_start_timeout", def: Duration(DefaultGPUStartTimeout), doc: fmt.Sprintf("nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; at least %s", MinGPUStartTimeout)},
 	},

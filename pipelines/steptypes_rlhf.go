@@ -123,7 +123,7 @@ func init() {
 			{Name: "master_port", Kind: KindInt, Min: bound(0), Max: bound(65535), Default: int64(0), DefaultDoc: "a free port, fresh on every init", Doc: "TCPStore port (nccl)"},
 			{Name: "timeout", Kind: KindDuration, Min: seconds(minTimeout), Default: Duration(vllm.DefaultInitTimeout), Doc: "deadline of the init: vLLM's 300s TCPStore wait plus NCCL setup"},
 		},
-		Outputs:             []string{"world_size", "backend", "group"},
+		Outputs:             []string{"world_size", "backend", "group", "methods"},
 		NeedsServers:        true,
 		NeedsWeightTransfer: true,
 	})
@@ -137,7 +137,7 @@ func init() {
 			{Name: "update_timeout", Kind: KindDuration, Min: seconds(minTimeout), DefaultDoc: updateTimeoutDoc, Doc: "deadline of update_weights"},
 			{Name: "verify", Kind: KindBool, Default: false, Doc: "check the servers' weight version afterwards (APIs C and D)"},
 		},
-		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "checkpoint", "server_seconds", "initialized"},
+		Outputs:             []string{"backend", "bytes", "tensors", "seconds", "gb_per_s", "version", "checkpoint", "server_seconds", "initialized", "methods"},
 		NeedsServers:        true,
 		NeedsWeightTransfer: true,
 	})

@@ -165,7 +165,7 @@ type Server struct {
 	// APIKeyEnv names the environment variable on the worker holding the
 	// bearer token; the token itself never enters workflow input or history.
 	APIKeyEnv string `json:"api_key_env,omitempty" yaml:"api_key_env,omitempty"`
-	// API pins the weight-transfer API generation ("A".."D"); empty = probe.
+	// API pins the weight-transfer API generation ("A".."E"); empty = probe.
 	API string `json:"api,omitempty" yaml:"api,omitempty"`
 }
 
@@ -175,6 +175,10 @@ type WeightTransfer struct {
 	Packed      bool   `json:"packed,omitempty" yaml:"packed,omitempty"`
 	BufferBytes int64  `json:"buffer_bytes,omitempty" yaml:"-"`
 	NumBuffers  int    `json:"num_buffers,omitempty" yaml:"num_buffers,omitempty"`
+	// Rendezvous is how each server gets the NCCL unique id (nccl only):
+	// RendezvousAuto ("" before defaults), RendezvousTCPStore or
+	// RendezvousUniqueID.
+	Rendezvous string `json:"rendezvous,omitempty" yaml:"rendezvous,omitempty"`
 	// GPUTaskQueue is the shared task queue the GPU workers of this pipeline
 	// poll for gpu_acquire (nccl only; "" = DefaultGPUTaskQueue). Separate
 	// queues keep two trainers' GPU pools apart.
@@ -371,3 +375,20 @@ type AttemptDetail struct {
 // MetaAttempt is the output key under which activities report the attempt
 // that succeeded; "_"-prefixed keys are metadata, never outputs.
 const MetaAttempt = "_attempt"
+
+// MetaVLLM is the output key under which the steps that talk to vLLM
+// servers report what they learned of each ([]VLLMServer): the run records
+// it per server in its results and UI details.
+const MetaVLLM = "_vllm"
+
+// VLLMServer is what a run learned about one vLLM server it talked to.
+type VLLMServer struct {
+	URL string `json:"url"`
+	// Version is the server's GET /version; "" when unreadable.
+	Version string `json:"version,omitempty"`
+	// API is its weight-transfer API generation ("A".."E"), as pinned or
+	// probed; "" when unknown.
+	API string `json:"api,omitempty"`
+	// Error says why a fact is missing.
+	Error string `json:"error,omitempty"`
+}
