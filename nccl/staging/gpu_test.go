@@ -376,7 +376,7 @@ func num(m map[string]any, k string) float64 {
 // of them is READY; rank 0 is on pl.Trainer.
 func rendezvousWith(ctx context.Context, t *testing.T, lib nccl.API, pl gputest.Placement, receiverArgs func(rank, port int) []string) (*nccl.Comm, []*proc, error) {
 	var procs []*proc
-	init := func(ctx context.Context, port int) error {
+	init := func(ctx context.Context, port int, _ nccl.UniqueID) error {
 		for r := 1; r < pl.World; r++ {
 			procs = append(procs, launchEnv(t, fmt.Sprintf("rank%d", r), pl.ProcEnv(fmt.Sprintf("rlflow-worker%d", r)), receiverArgs(r, port)...))
 		}
@@ -564,7 +564,7 @@ func TestGPUPeerNeverJoins(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2, Device: gputest.Device(t)}, lib,
-		func(ctx context.Context, port int) error { <-ctx.Done(); return ctx.Err() })
+		func(ctx context.Context, port int, _ nccl.UniqueID) error { <-ctx.Done(); return ctx.Err() })
 	took := time.Since(start)
 	gputest.Verdict(t, errors.Is(err, context.DeadlineExceeded) && took < 20*time.Second,
 		"rendezvous without a peer ended after %.1fs: %v", took.Seconds(), err)

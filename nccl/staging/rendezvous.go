@@ -29,18 +29,23 @@ type RendezvousConfig struct {
 	Store tcpstore.Options
 	// Comm options for NewComm.
 	Comm []nccl.CommOption
+	// PickleModule is the module the pickled id in the TCPStore names (one
+	// of ncclid.Modules; "" = ncclid.ModulePath, the legacy layout's).
+	PickleModule string
 }
 
 // InitCall is the caller's side of the rendezvous that runs alongside NCCL
 // init: in rlflow the HTTP POST /init_weight_transfer_engine with
-// init_info.master_port = port, which returns only after every worker
+// init_info.master_port = port (or, for servers that take it, the unique
+// id itself as nccl_unique_id_b64), which returns only after every worker
 // joined the communicator. It must honour ctx.
-type InitCall func(ctx context.Context, port int) error
+type InitCall func(ctx context.Context, port int, id nccl.UniqueID) error
 
 // Rendezvous is rank 0's half of vLLM's weight-transfer rendezvous: it binds
 // a TCPStore server to exactly cfg.MasterAddress, draws an ncclUniqueId,
-// publishes its pickle under tcpstore.UniqueIDKey, then runs NewComm (rank 0, with
-// the warm-up all-reduce) concurrently with init. Both must succeed: if
+// publishes its pickle under tcpstore.UniqueIDKey (for the workers that
+// meet through the store; others get the id in their init call), then runs
+// NewComm (rank 0, with the warm-up all-reduce) concurrently with init. Both must succeed: if
 // init fails first, the half-built communicator is aborted at once instead
 // of waiting for workers that will never come; if NCCL fails first, init's
 // context is cancelled. The TCPStore is closed before Rendezvous returns.
@@ -51,6 +56,13 @@ func Rendezvous(ctx context.Context, cfg RendezvousConfig, api nccl.API, init In
 	}
 	if cfg.WorldSize < 2 {
 		return nil, fmt.Errorf("staging: rendezvous: world size %d (rank 0 and at least one worker)", cfg.WorldSize)
+	}
+	module := cfg.PickleModule
+	if module == "" {
+		module = ncclid.ModulePath
+	}
+	if _, err := ncclid.PickleIn(ncclid.ID{}, module); err != nil {
+		return nil, fmt.Errorf("staging: rendezvous: %w", err)
 	}
 	srv, err := tcpstore.Listen(ctx, net.JoinHostPort(cfg.MasterAddress, strconv.Itoa(cfg.MasterPort)), cfg.Store)
 	if err != nil {
@@ -74,7 +86,8 @@ func Rendezvous(ctx context.Context, cfg RendezvousConfig, api nccl.API, init In
 	if err != nil {
 		return nil, fmt.Errorf("staging: rendezvous: %w", err)
 	}
-	srv.Set(tcpstore.UniqueIDKey, ncclid.Pickle(ncclid.ID(id)))
+	pickled, _ := ncclid.PickleIn(ncclid.ID(id), module)
+	srv.Set(tcpstore.UniqueIDKey, pickled)
 
 	rctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -88,7 +101,7 @@ func Rendezvous(ctx context.Context, cfg RendezvousConfig, api nccl.API, init In
 		c, err := nccl.NewComm(rctx, api, cfg.Device, cfg.WorldSize, 0, id, cfg.Comm...)
 		commDone <- commResult{c, err}
 	}()
-	go func() { initDone <- init(rctx, port) }()
+	go func() { initDone <- init(rctx, port, id) }()
 
 	var comm *nccl.Comm
 	var commErr, initErr error

@@ -47,7 +47,7 @@ func TestRendezvousWithWorkers(t *testing.T) {
 	defer cancel()
 	var workers []*nccl.Comm
 	gotPort := 0
-	init := func(ctx context.Context, port int) error {
+	init := func(ctx context.Context, port int, _ nccl.UniqueID) error {
 		gotPort = port
 		// Like /init_weight_transfer_engine: returns once every worker joined.
 		errs := make(chan error, 2)
@@ -103,7 +103,7 @@ func TestRendezvousInitFailsEarly(t *testing.T) {
 	http500 := errors.New("POST /init_weight_transfer_engine: 500 Internal Server Error")
 	start := time.Now()
 	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2}, f,
-		func(ctx context.Context, port int) error {
+		func(ctx context.Context, port int, _ nccl.UniqueID) error {
 			time.Sleep(20 * time.Millisecond)
 			return http500
 		})
@@ -132,7 +132,7 @@ func TestRendezvousPeerNeverJoins(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	_, err := Rendezvous(ctx, RendezvousConfig{MasterAddress: "127.0.0.1", WorldSize: 2}, f,
-		func(ctx context.Context, port int) error {
+		func(ctx context.Context, port int, _ nccl.UniqueID) error {
 			// The worker reaches the store but never joins NCCL.
 			cl, err := tcpstore.Dial(ctx, fmt.Sprintf("127.0.0.1:%d", port))
 			if err != nil {
@@ -162,7 +162,7 @@ func TestRendezvousPeerNeverJoins(t *testing.T) {
 
 func TestRendezvousRefusesBadConfig(t *testing.T) {
 	f := nccltest.NewFake(nccltest.Config{})
-	noop := func(context.Context, int) error { return nil }
+	noop := func(context.Context, int, nccl.UniqueID) error { return nil }
 	for _, cfg := range []RendezvousConfig{
 		{WorldSize: 2},
 		{MasterAddress: "127.0.0.1", WorldSize: 1},

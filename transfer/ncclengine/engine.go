@@ -42,6 +42,7 @@ import (
 
 	"github.com/rlflow/rlflow/gpuhealth"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/ncclid"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/safetensors"
@@ -109,6 +110,7 @@ type group struct {
 	comm        *nccl.Comm // nil: (re)initialise before the next broadcast
 	topo        vllm.Topology
 	gens        []vllm.Generation
+	methods     []string // per server: MethodTCPStore or MethodUniqueID
 	master      string
 	packing     packing
 	pipeDev     *nccl.Device
@@ -364,14 +366,54 @@ func (e *Engine) Init(ctx context.Context, req transfer.InitRequest) (transfer.I
 	}
 	g := e.begin(req.Target, req.Progress)
 	defer g.end()
-	if err := e.init(ctx, g, req.Fleet, packingOf(req.Settings), master, req.MasterPort, req.Timeout); err != nil {
+	if err := e.init(ctx, g, req.Fleet, packingOf(req.Settings), req.Settings.Rendezvous, master, req.MasterPort, req.Timeout); err != nil {
 		return transfer.InitResult{}, err
 	}
-	return transfer.InitResult{WorldSize: g.topo.WorldSize, Group: g.name()}, nil
+	return transfer.InitResult{WorldSize: g.topo.WorldSize, Group: g.name(), Methods: g.methods}, nil
+}
+
+// The rendezvous methods the engine reports per server.
+const (
+	// MethodTCPStore: the server's workers read the pickled unique id from
+	// the trainer's TCPStore (init_info.master_address/master_port).
+	MethodTCPStore = "tcpstore"
+	// MethodUniqueID: the server got the id in init_info.nccl_unique_id_b64.
+	MethodUniqueID = "unique_id"
+)
+
+// rendezvousMethods chooses, per server, how it gets the unique id
+// (weight_transfer.rendezvous: auto gives the id itself to the servers
+// whose generation takes it), and the module the TCPStore's pickle names:
+// the vllm.backends layout's when every server meeting there has that
+// layout, else the legacy one, which the newer layout still resolves
+// through its compatibility shim.
+func rendezvousMethods(setting string, fleet vllm.Fleet, gens []vllm.Generation) ([]string, string, error) {
+	methods := make([]string, len(gens))
+	module := ncclid.ModulePath
+	backends, stored := true, false
+	for i, g := range gens {
+		switch {
+		case setting == pipelines.RendezvousUniqueID:
+			if g != vllm.GenD && !g.TakesUniqueIDB64() {
+				return nil, "", transfer.BadInputf("weight_transfer.rendezvous is unique_id, but server %s speaks API generation %s, which has no init_info.nccl_unique_id_b64 (D's newest builds and E have it): use tcpstore or auto", fleet[i].URL(), g)
+			}
+			methods[i] = MethodUniqueID
+		case setting == pipelines.RendezvousTCPStore || !g.TakesUniqueIDB64():
+			methods[i] = MethodTCPStore
+			stored = true
+			backends = backends && g.BackendsLayout()
+		default:
+			methods[i] = MethodUniqueID
+		}
+	}
+	if stored && backends {
+		module = ncclid.BackendsModulePath
+	}
+	return methods, module, nil
 }
 
 // init runs on a locked group.
-func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packing, master string, port int, timeout time.Duration) error {
+func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packing, rendezvous, master string, port int, timeout time.Duration) error {
 	g.setPhase("init")
 	g.dropComm(fmt.Errorf("ncclengine: group %s is being re-initialised", g.key))
 	e.retireOverlapping(g)
@@ -392,17 +434,25 @@ func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packin
 		}
 	}
 
-	initAll := func(ctx context.Context, port int) error {
+	methods, module, err := rendezvousMethods(rendezvous, fleet, gens)
+	if err != nil {
+		return err
+	}
+	initAll := func(ctx context.Context, port int, id nccl.UniqueID) error {
 		ctx, cancel := context.WithCancelCause(ctx)
 		defer cancel(nil)
 		var first error
 		var once sync.Once
 		err := fleet.Each("init weight transfer", func(i int, c *vllm.Client) error {
-			err := c.InitWeightTransfer(ctx, vllm.InitInfo{
+			info := vllm.InitInfo{
 				MasterAddress: master, MasterPort: port,
 				RankOffset: topo.RankOffsets[i], WorldSize: topo.WorldSize,
 				Packed: pk.packed, PackedBufferSizeBytes: pk.threshold, PackedNumBuffers: pk.buffers,
-			})
+			}
+			if methods[i] == MethodUniqueID {
+				info.MasterAddress, info.MasterPort, info.NCCLUniqueIDB64 = "", 0, ncclid.EncodeB64(ncclid.ID(id))
+			}
+			err := c.InitWeightTransfer(ctx, info)
 			if err != nil {
 				// One server that cannot join dooms the group: stop
 				// waiting for the others.
@@ -417,6 +467,7 @@ func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packin
 	}
 	comm, err := staging.Rendezvous(ictx, staging.RendezvousConfig{
 		MasterAddress: master, MasterPort: port, WorldSize: topo.WorldSize, Device: e.cfg.Device, Comm: e.cfg.Comm,
+		PickleModule: module,
 	}, e.cfg.API, initAll)
 	if err != nil {
 		if deviceLost(err) {
@@ -425,7 +476,7 @@ func (e *Engine) init(ctx context.Context, g *group, fleet vllm.Fleet, pk packin
 		// Rendezvous names the init deadline (ictx's cause) itself.
 		return transfer.TransportErrorf(ctx, err, "init %s (world size %d)%s", g.key, topo.WorldSize, e.healthNote())
 	}
-	g.comm, g.topo, g.gens, g.master, g.packing = comm, topo, gens, master, pk
+	g.comm, g.topo, g.gens, g.master, g.packing, g.methods = comm, topo, gens, master, pk, methods
 	g.statMu.Lock()
 	g.inits++
 	g.statMu.Unlock()
@@ -494,7 +545,7 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 		if req.InitTimeout <= 0 {
 			return transfer.UpdateResult{}, transfer.BadInputf("init timeout %v must be positive", req.InitTimeout)
 		}
-		if err := e.init(ctx, g, req.Fleet, pk, master, 0, req.InitTimeout); err != nil {
+		if err := e.init(ctx, g, req.Fleet, pk, req.Settings.Rendezvous, master, 0, req.InitTimeout); err != nil {
 			return transfer.UpdateResult{}, err
 		}
 		res.Initialized = true
@@ -524,7 +575,7 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 		}
 		return transfer.UpdateResult{}, err
 	}
-	res.Bytes, res.Tensors, res.Group, res.Elapsed = sent.Bytes, sent.Tensors, g.name(), time.Since(start)
+	res.Bytes, res.Tensors, res.Group, res.Elapsed, res.Methods = sent.Bytes, sent.Tensors, g.name(), time.Since(start), g.methods
 	return res, nil
 }
 
