@@ -3,6 +3,7 @@ package transfer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,21 +15,48 @@ import (
 )
 
 // Disk is the disk backend: every server loads the checkpoint directory
-// from a path they all see (init_info {}, update_info {path}). It runs on
-// any worker and holds no connection; it remembers which groups this
-// process initialised, so an update initialises on first use and again
-// after a worker restart. Safe for concurrent use.
+// from a path they all see. Per server, it speaks one of two methods,
+// probed at each update (GET /server_info and the routes):
+//
+//   - MethodDraftDisk, where the server advertises the draft "disk"
+//     weight-transfer backend (vLLM pull request #52152, not in stock
+//     vLLM): init_info {}, then an update session around update_weights
+//     {path}, the version set by finish_weight_update.
+//   - MethodReload everywhere else (stock vLLM, dev mode): POST
+//     /collective_rpc reload_weights with the directory, which bypasses
+//     the weight-transfer session, so the server is paused around it
+//     (clearing its cache) unless the run holds it paused already, its
+//     workers get update_config load_format auto first when it was not
+//     started on a checkpoint load format (a dummy-weights server would
+//     otherwise draw new random weights and answer success), and the
+//     version is set with update_weight_version and read back.
+//
+// It runs on any worker and holds no connection; it remembers which groups
+// this process initialised (draft-disk servers need init_info {} once), so
+// an update initialises on first use and again after a worker restart.
+// Safe for concurrent use.
 type Disk struct {
 	mu          sync.Mutex
 	initialized map[string]bool
 }
+
+// The per-server methods of the disk backend, as the step's outputs name
+// them.
+const (
+	MethodDraftDisk = "draft_disk"
+	MethodReload    = "collective_rpc"
+	// MethodReloadDummy is MethodReload on a server started with dummy
+	// weights (or whose load format is unknown): update_config first.
+	MethodReloadDummy = "collective_rpc+update_config"
+)
 
 // NewDisk returns the disk backend.
 func NewDisk() *Disk { return &Disk{initialized: map[string]bool{}} }
 
 var _ Engine = (*Disk)(nil)
 
-// Init sends init_info {} to every server.
+// Init probes each server's method and sends init_info {} to the servers
+// of the draft disk backend; reload servers need no init.
 func (d *Disk) Init(ctx context.Context, req InitRequest) (InitResult, error) {
 	if req.MasterAddress != "" || req.MasterPort != 0 {
 		return InitResult{}, BadInputf("master_address and master_port are for the nccl backend; the disk backend has no rendezvous")
@@ -39,14 +67,21 @@ func (d *Disk) Init(ctx context.Context, req InitRequest) (InitResult, error) {
 	if err != nil {
 		return InitResult{}, TransportErrorf(ctx, err, "disk weight transfer init: world sizes")
 	}
-	if err := d.init(ctx, key, req.Fleet); err != nil {
+	methods, err := probeMethods(ctx, req.Fleet)
+	if err != nil {
 		return InitResult{}, err
 	}
-	return InitResult{WorldSize: topo.WorldSize, Group: key}, nil
+	if err := d.init(ctx, key, req.Fleet, methods); err != nil {
+		return InitResult{}, err
+	}
+	return InitResult{WorldSize: topo.WorldSize, Group: key, Methods: methods}, nil
 }
 
-func (d *Disk) init(ctx context.Context, key string, f vllm.Fleet) error {
-	err := f.Each("init weight transfer", func(_ int, c *vllm.Client) error {
+func (d *Disk) init(ctx context.Context, key string, f vllm.Fleet, methods []string) error {
+	err := f.Each("init weight transfer", func(i int, c *vllm.Client) error {
+		if methods[i] != MethodDraftDisk {
+			return nil
+		}
 		return c.InitWeightTransfer(ctx, vllm.InitInfo{Disk: true})
 	})
 	if err != nil {
@@ -58,8 +93,51 @@ func (d *Disk) init(ctx context.Context, key string, f vllm.Fleet) error {
 	return nil
 }
 
-// Update hands every server the checkpoint's directory in one update
-// session each.
+// probeMethods chooses each server's method (see Disk).
+func probeMethods(ctx context.Context, f vllm.Fleet) ([]string, error) {
+	methods := make([]string, len(f))
+	err := f.Each("probe checkpoint loading", func(i int, c *vllm.Client) error {
+		m, err := probeMethod(ctx, c)
+		methods[i] = m
+		return err
+	})
+	if err != nil {
+		return nil, TransportErrorf(ctx, err, "disk weight transfer: choosing how each server loads a checkpoint")
+	}
+	return methods, nil
+}
+
+func probeMethod(ctx context.Context, c *vllm.Client) (string, error) {
+	info, known, err := c.ServerInfo(ctx)
+	if err != nil {
+		return "", err
+	}
+	if known && info.WeightTransferBackend == "disk" {
+		gen, err := c.DetectGeneration(ctx)
+		if err != nil {
+			return "", err
+		}
+		if gen.HasSessions() {
+			return MethodDraftDisk, nil
+		}
+	}
+	rpc, err := c.HasCollectiveRPC(ctx)
+	if err != nil {
+		return "", err
+	}
+	if !rpc {
+		return "", &vllm.Error{Server: c.URL(), Call: "probe checkpoint loading", Status: 404,
+			Message: "the server has neither POST /collective_rpc (stock vLLM started with VLLM_SERVER_DEV_MODE=1) nor the draft disk weight-transfer backend: it cannot load a checkpoint directory"}
+	}
+	if known && info.LoadFormat != "" && info.LoadFormat != "dummy" {
+		return MethodReload, nil
+	}
+	// Started with dummy weights, or the load format is unknown: setting it
+	// to auto costs one call and a reload can then only load the checkpoint.
+	return MethodReloadDummy, nil
+}
+
+// Update loads the checkpoint's directory into every server by its method.
 func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, error) {
 	if req.DType != "" && req.DType != "keep" {
 		return UpdateResult{}, BadInputf("dtype %q converts tensors on the nccl path only; the disk backend loads the checkpoint as stored", req.DType)
@@ -71,12 +149,16 @@ func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, err
 	key := GroupKey(req.Target)
 	req.Progress.SetPhase("update", key)
 	req.Progress.SetTotal(size)
+	methods, err := probeMethods(ctx, req.Fleet)
+	if err != nil {
+		return UpdateResult{}, err
+	}
 	d.mu.Lock()
 	initialized := d.initialized[key]
 	d.mu.Unlock()
-	res := UpdateResult{Bytes: size, Tensors: tensors, Group: key}
+	res := UpdateResult{Bytes: size, Tensors: tensors, Group: key, Methods: methods}
 	if !initialized {
-		if err := d.init(ctx, key, req.Fleet); err != nil {
+		if err := d.init(ctx, key, req.Fleet, methods); err != nil {
 			return UpdateResult{}, err
 		}
 		res.Initialized = true
@@ -86,8 +168,11 @@ func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, err
 	start := time.Now()
 	s := NewSessions(req.Fleet, true)
 	info := vllm.UpdateInfo{Path: dir, CheckpointBytes: size}
-	err = req.Fleet.Each("update weights", func(i int, _ *vllm.Client) error {
-		return s.Run(ctx, i, func(ctx context.Context, c *vllm.Client) error { return c.UpdateWeights(ctx, info) }, req.Version)
+	err = req.Fleet.Each("update weights", func(i int, c *vllm.Client) error {
+		if methods[i] == MethodDraftDisk {
+			return s.Run(ctx, i, func(ctx context.Context, c *vllm.Client) error { return c.UpdateWeights(ctx, info) }, req.Version)
+		}
+		return reload(ctx, c, dir, size, req.Version, methods[i] == MethodReloadDummy, req.Paused)
 	})
 	if err != nil {
 		if note := s.CloseLeftOpen(ctx, req.Version); note != "" {
@@ -98,6 +183,56 @@ func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, err
 	res.Elapsed = time.Since(start)
 	req.Progress.SetSent(size)
 	return res, nil
+}
+
+// reload is one stock server's update: pause (keep: requests in flight
+// wait; the pause clears the cache) unless the run holds it paused,
+// update_config when needed, reload_weights, the version set and read
+// back, resume when it paused. A failed reload labels the weights
+// version+"-failed" (part of the checkpoint may have loaded) and still
+// resumes a server it paused: the run's weight checks see the label and
+// re-sync.
+func reload(ctx context.Context, c *vllm.Client, dir string, size int64, version string, dummy, paused bool) (err error) {
+	gen, err := c.DetectGeneration(ctx)
+	if err != nil {
+		return err
+	}
+	if !paused {
+		if err := c.Pause(ctx, vllm.PauseKeep); err != nil {
+			return err
+		}
+		defer func() {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), vllm.SessionCloseTimeout)
+			defer cancel()
+			if rerr := c.Resume(rctx); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("resuming the server paused for the reload failed, it may still be paused: %w", rerr))
+			}
+		}()
+	}
+	if dummy {
+		if err := c.UseCheckpointLoadFormat(ctx); err != nil {
+			return err
+		}
+	}
+	if err := c.ReloadWeights(ctx, dir, size); err != nil {
+		if gen.HasSessions() && version != "" {
+			if lerr := c.LabelWeights(ctx, failedVersion(version)); lerr != nil {
+				err = errors.Join(err, fmt.Errorf("labelling its weights %q failed too: %w", failedVersion(version), lerr))
+			}
+		}
+		return err
+	}
+	if !gen.HasSessions() {
+		return nil // A and B keep no weight version
+	}
+	if err := c.UpdateWeightVersion(ctx, version); err != nil {
+		return err
+	}
+	got, err := c.WeightInfo(ctx)
+	if err == nil && got != version {
+		err = fmt.Errorf("vllm %s: GET /weight_info: weight version %q after the reload, want %q", c.URL(), got, version)
+	}
+	return err
 }
 
 // checkpointDir resolves a checkpoint to the absolute directory vLLM

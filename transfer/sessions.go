@@ -22,13 +22,16 @@ type Sessions struct {
 	// on another server, or lost on the way back) may have opened the
 	// session on the server all the same.
 	opened, finished, unsure []bool
+	// selfClosed: the server answered the failed update_weights and its
+	// generation closes a failed update's session itself (E).
+	selfClosed []bool
 }
 
 // NewSessions prepares the sessions of one update. closeStale says that
 // any session a server already has open belongs to a trainer that is gone.
 func NewSessions(fleet vllm.Fleet, closeStale bool) *Sessions {
 	n := len(fleet)
-	return &Sessions{fleet: fleet, closeStale: closeStale, opened: make([]bool, n), finished: make([]bool, n), unsure: make([]bool, n)}
+	return &Sessions{fleet: fleet, closeStale: closeStale, opened: make([]bool, n), finished: make([]bool, n), unsure: make([]bool, n), selfClosed: make([]bool, n)}
 }
 
 // Run is server i's session: update runs between start and finish. Each
@@ -42,6 +45,9 @@ func (s *Sessions) Run(ctx context.Context, i int, update func(context.Context, 
 	}
 	s.opened[i] = true
 	if err := update(ctx, c); err != nil {
+		// A 400 is the router's refusal before the engine: the session
+		// stays open; a worker's failure (5xx) closed it on E.
+		s.selfClosed[i] = c.Generation().ClosesFailedSession() && workerFailed(err)
 		return err
 	}
 	if err := c.FinishWeightUpdate(ctx, version); err != nil {
@@ -53,32 +59,77 @@ func (s *Sessions) Run(ctx context.Context, i int, update func(context.Context, 
 
 // CloseLeftOpen closes every session this update opened and did not
 // finish, recording version+"-failed": part of the checkpoint may have
-// loaded, so neither the old label nor the new one would be true. It
-// returns a note for the update's error saying so, naming the servers
-// where closing failed too; "" when no session was left open.
+// loaded, so neither the old label nor the new one would be true. A server
+// that closed the session itself (E after a failed update_weights, or any
+// server answering that none is open) is not finished again: its weights
+// are labelled with update_weight_version instead. It returns a note for
+// the update's error saying what happened, naming the servers where
+// closing failed; "" when no session was left open.
 func (s *Sessions) CloseLeftOpen(ctx context.Context, version string) string {
 	var left vllm.Fleet
-	var unsure []bool
+	var idx []int
 	for i, c := range s.fleet {
 		if (s.opened[i] && !s.finished[i]) || s.unsure[i] {
 			left = append(left, c)
-			unsure = append(unsure, s.unsure[i])
+			idx = append(idx, i)
 		}
 	}
 	if len(left) == 0 {
 		return ""
 	}
+	byServer := make([]bool, len(left)) // the server had closed it already
 	err := left.Each("close update session", func(k int, c *vllm.Client) error {
+		i := idx[k]
+		if s.selfClosed[i] {
+			byServer[k] = true
+			if version == "" {
+				return nil
+			}
+			return c.LabelWeights(ctx, failedVersion(version))
+		}
 		err := c.CloseUpdateSession(ctx, failedVersion(version))
-		if unsure[k] {
+		if vllm.NoSessionOpen(err) {
+			byServer[k] = true
+			if version == "" {
+				return nil
+			}
+			return c.LabelWeights(ctx, failedVersion(version))
+		}
+		if s.unsure[i] {
 			return nil // it may never have opened: a refusal says only that
 		}
 		return err
 	})
-	if err == nil {
-		return "update sessions closed"
+	var closedBy []string
+	for k, c := range left {
+		if byServer[k] {
+			closedBy = append(closedBy, c.URL())
+		}
 	}
-	return "could not close every update session, a server may be left mid-update: " + err.Error()
+	note := "update sessions closed"
+	switch {
+	case len(closedBy) == len(left):
+		note = "the server closed its update session itself"
+		if len(left) > 1 {
+			note = "the servers closed their update sessions themselves"
+		}
+	case len(closedBy) > 0:
+		note = "update sessions closed (" + strings.Join(closedBy, ", ") + " had closed its own)"
+	}
+	if version != "" {
+		note += ", weights labelled " + failedVersion(version)
+	}
+	if err == nil {
+		return note
+	}
+	return "could not close every update session or label its weights, a server may be left mid-update: " + err.Error()
+}
+
+// workerFailed reports whether err is the server's answer that the call
+// failed inside the engine (HTTP 5xx).
+func workerFailed(err error) bool {
+	var e *vllm.Error
+	return errors.As(err, &e) && e.Status >= 500
 }
 
 // unanswered reports whether a call failed without the server's answer:

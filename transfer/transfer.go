@@ -73,6 +73,9 @@ type InitResult struct {
 	// Group names the group, with how many times it was initialised on
 	// this worker (nccl), so a re-initialisation is visible.
 	Group string
+	// Methods name, per server, how it takes weights (the disk backend's
+	// Method*; the nccl engine's rendezvous); nil where there is no choice.
+	Methods []string
 }
 
 // UpdateRequest loads a checkpoint into the servers.
@@ -92,7 +95,10 @@ type UpdateRequest struct {
 	// InitTimeout bounds the init an update runs first when the group has
 	// none.
 	InitTimeout time.Duration
-	Progress    *Progress
+	// Paused says the run holds every server paused: a backend that must
+	// pause around its load (the disk backend's reload) leaves them so.
+	Paused   bool
+	Progress *Progress
 }
 
 // UpdateResult is what an update reports.
@@ -102,6 +108,9 @@ type UpdateResult struct {
 	Group   string
 	// Initialized says the update had to (re)initialise the group first.
 	Initialized bool
+	// Methods name, per server, how it took the weights (see
+	// InitResult.Methods).
+	Methods []string
 	// Elapsed is the update itself, without an init it needed first.
 	Elapsed time.Duration
 }
