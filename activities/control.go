@@ -22,7 +22,9 @@ type PauseInput struct {
 // call reached (all of them, or the step fails).
 type ServersOutput struct {
 	Servers int `json:"servers"`
-	Attempt int `json:"_attempt"`
+	// VLLM is what the step learned of each server (metadata).
+	VLLM    []pipelines.VLLMServer `json:"_vllm,omitempty"`
+	Attempt int                    `json:"_attempt"`
 }
 
 // ControlInput is the `with` of resume, is_paused and world_size.
@@ -77,7 +79,7 @@ func (a *Activities) Pause(ctx context.Context, in PauseInput) (*ServersOutput, 
 		return nil, serverError(ctx, err, "pause (mode %s)", in.Mode)
 	}
 	metrics.From(ctx).SetPaused(fleetURLs(f), true)
-	return &ServersOutput{Servers: len(f), Attempt: attemptOf(ctx)}, nil
+	return &ServersOutput{Servers: len(f), VLLM: describeServers(ctx, f), Attempt: attemptOf(ctx)}, nil
 }
 
 // Resume resumes every server in parallel, trying each even if others fail.
@@ -90,7 +92,7 @@ func (a *Activities) Resume(ctx context.Context, in ControlInput) (*ServersOutpu
 		return nil, serverError(ctx, err, "resume")
 	}
 	metrics.From(ctx).SetPaused(fleetURLs(f), false)
-	return &ServersOutput{Servers: len(f), Attempt: attemptOf(ctx)}, nil
+	return &ServersOutput{Servers: len(f), VLLM: describeServers(ctx, f), Attempt: attemptOf(ctx)}, nil
 }
 
 // IsPaused asks every server in parallel whether it is paused.

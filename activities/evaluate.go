@@ -31,7 +31,9 @@ type EvaluateOutput struct {
 	// scored 0); always 0 for the other scorers.
 	Unparsed int `json:"unparsed"`
 	Resumed  int `json:"resumed"`
-	Attempt  int `json:"_attempt"`
+	// VLLM is what the step learned of each server (metadata).
+	VLLM    []pipelines.VLLMServer `json:"_vllm,omitempty"`
+	Attempt int                    `json:"_attempt"`
 }
 
 // Evaluate generates from the eval set through the same path as Generate
@@ -57,7 +59,8 @@ func (a *Activities) Evaluate(ctx context.Context, in EvaluateInput) (*EvaluateO
 		return nil, err
 	}
 	out := &EvaluateOutput{Samples: res.samples, Path: res.path, Min: res.minS, Max: res.maxS,
-		WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Unparsed: res.unparsed, Resumed: res.resumed, Attempt: attemptOf(ctx)}
+		WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Unparsed: res.unparsed, Resumed: res.resumed,
+		VLLM: describeServers(ctx, run.fleet), Attempt: attemptOf(ctx)}
 	if res.scored > 0 {
 		out.Score = res.scoreSum / float64(res.scored)
 	}

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"strings"
+	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
@@ -74,4 +76,32 @@ func (a *Activities) client(s pipelines.Server, t vllm.Timeouts) (*vllm.Client, 
 		}
 	}
 	return vllm.New(s.URL, vllm.Options{APIKey: key, HTTPClient: a.httpClient(), Timeouts: t, Generation: gen})
+}
+
+// describeTimeout bounds describeServers: the facts are a record, never a
+// reason to hold a step.
+const describeTimeout = 5 * time.Second
+
+// describeServers is what the run records about each server a step talked
+// to (pipelines.MetaVLLM): its vLLM version and API generation. Best
+// effort: a fact that cannot be read is recorded with the error's text.
+func describeServers(ctx context.Context, f vllm.Fleet) []pipelines.VLLMServer {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), describeTimeout)
+	defer cancel()
+	out := make([]pipelines.VLLMServer, len(f))
+	_ = f.Each("describe", func(i int, c *vllm.Client) error {
+		out[i].URL = c.URL()
+		var errs []string
+		v, err := c.Version(ctx)
+		if err != nil {
+			errs = append(errs, "version: "+err.Error())
+		}
+		g, gerr := c.DetectGeneration(ctx)
+		if gerr != nil {
+			errs = append(errs, "api generation: "+gerr.Error())
+		}
+		out[i].Version, out[i].API, out[i].Error = v, string(g), strings.Join(errs, "; ")
+		return nil
+	})
+	return out
 }

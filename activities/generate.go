@@ -52,6 +52,8 @@ type GenerateOutput struct {
 	// weights with: WeightCheckVersion, WeightCheckStartTime or
 	// WeightCheckNone (see weightcheck.go).
 	WeightCheck string `json:"weight_check"`
+	// VLLM is what the step learned of each server (metadata).
+	VLLM []pipelines.VLLMServer `json:"_vllm,omitempty"`
 	// Resumed counts the samples a retried attempt took from the earlier
 	// attempts' partial file instead of generating them again.
 	Resumed int `json:"resumed"`
@@ -133,7 +135,7 @@ func (a *Activities) Generate(ctx context.Context, in GenerateInput) (*GenerateO
 	metrics.From(ctx).ObserveGenerate(in.Context.Pipeline, res.completionTokens, res.tokensPerS)
 	return &GenerateOutput{Path: res.path, Prompts: res.prompts, Samples: res.samples, CompletionTokens: res.completionTokens,
 		TokensPerS: res.tokensPerS, WeightVersion: res.weightVersion, WeightCheck: res.weightCheck, Resumed: res.resumed,
-		Attempt: attemptOf(ctx)}, nil
+		VLLM: describeServers(ctx, run.fleet), Attempt: attemptOf(ctx)}, nil
 }
 
 // genRun is one attempt of generate or evaluate: the shared generation path.

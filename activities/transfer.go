@@ -29,8 +29,14 @@ type InitTransferOutput struct {
 	// Group names the transfer group (run id + server set, and for nccl
 	// how many times it was initialised on its worker), so a
 	// re-initialisation is visible.
-	Group   string `json:"group"`
-	Attempt int    `json:"_attempt"`
+	Group string `json:"group"`
+	// Methods say, per server, how it takes weights: the nccl rendezvous
+	// (tcpstore, unique_id) or the disk backend's load (collective_rpc,
+	// collective_rpc+update_config, draft_disk); empty where the backend
+	// has nothing to choose.
+	Methods []string               `json:"methods"`
+	VLLM    []pipelines.VLLMServer `json:"_vllm,omitempty"`
+	Attempt int                    `json:"_attempt"`
 }
 
 // BroadcastInput is the `with` of a broadcast step.
@@ -63,7 +69,11 @@ type BroadcastOutput struct {
 	// Initialized is true when this broadcast had to (re)initialise the
 	// transfer group first (first use, or the old group was lost).
 	Initialized bool `json:"initialized"`
-	Attempt     int  `json:"_attempt"`
+	// Methods say, per server, how it took the weights (as
+	// InitTransferOutput's).
+	Methods []string               `json:"methods"`
+	VLLM    []pipelines.VLLMServer `json:"_vllm,omitempty"`
+	Attempt int                    `json:"_attempt"`
 }
 
 // InitTransfer initialises weight transfer with every server through the
@@ -86,7 +96,8 @@ func (a *Activities) InitTransfer(ctx context.Context, in InitTransferInput) (*I
 		return nil, transferError(ctx, step, err)
 	}
 	metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, time.Since(start).Seconds(), 0)
-	return &InitTransferOutput{WorldSize: res.WorldSize, Backend: backend, Group: res.Group, Attempt: attemptOf(ctx)}, nil
+	return &InitTransferOutput{WorldSize: res.WorldSize, Backend: backend, Group: res.Group, Methods: nonNilStrings(res.Methods),
+		VLLM: describeServers(ctx, target.Fleet), Attempt: attemptOf(ctx)}, nil
 }
 
 // Broadcast loads a checkpoint into every server through the pipeline's
@@ -125,7 +136,7 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 	stop := a.reportTransfer(ctx, &progress)
 	start := time.Now()
 	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
-		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Progress: &progress})
+		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Paused: sc.FleetPaused, Progress: &progress})
 	stop()
 	if err != nil {
 		return nil, transferError(ctx, step, err)
@@ -150,7 +161,8 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 		}
 	}
 	out := &BroadcastOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(),
-		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, ServerSeconds: serverSeconds, Attempt: attemptOf(ctx)}
+		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, ServerSeconds: serverSeconds, Methods: nonNilStrings(res.Methods),
+		VLLM: describeServers(ctx, target.Fleet), Attempt: attemptOf(ctx)}
 	if res.Elapsed > 0 {
 		out.GBps = float64(res.Bytes) / res.Elapsed.Seconds() / 1e9
 	}
@@ -283,4 +295,12 @@ func verifyVersion(ctx context.Context, f vllm.Fleet, version string) error {
 		}
 		return err
 	})
+}
+
+// nonNilStrings keeps a list output a JSON list.
+func nonNilStrings(s []string) []string {
+	if s == nil {
+		return []string{}
+	}
+	return s
 }

@@ -115,7 +115,7 @@ func TestBroadcastDiskFailures(t *testing.T) {
 
 	_, err := a.Broadcast(ctx, BroadcastInput{Context: sc, Checkpoint: "ckpt"})
 	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
-	assert.ErrorContains(t, err, "(update sessions closed)")
+	assert.ErrorContains(t, err, "(update sessions closed, weights labelled run-1/iter-2-failed)")
 	assert.ErrorContains(t, err, "update weights failed on 1 of 2 servers; vllm "+failing.URL+": POST /update_weights: HTTP 500: double: injected fault (Faults.ErrorRate)")
 	assert.NotContains(t, err.Error(), "vllm "+good.URL+":")
 	assert.Equal(t, "run-1/iter-2", good.WeightVersion())
@@ -143,11 +143,18 @@ func TestBroadcastDiskFailures(t *testing.T) {
 	assert.Equal(t, pipelines.ErrTypeServerError, errType(t, err))
 	assert.ErrorContains(t, err, `GET /weight_info: weight version "old" after the update, want "v2"`)
 
-	// Generation B has no disk backend: final, refused before sending.
+	// Generation B has no draft disk backend and no weight versions: stock
+	// vLLM of any generation reloads through /collective_rpc.
 	b := newDouble(t, double.Config{DevMode: true, Generation: double.GenB})
-	_, err = a.Broadcast(ctx, BroadcastInput{Context: diskContext(t, b), Checkpoint: filepath.Join(sc.BaseDir, "ckpt")})
+	out, err = a.Broadcast(ctx, BroadcastInput{Context: diskContext(t, b), Checkpoint: filepath.Join(sc.BaseDir, "ckpt")})
+	require.NoError(t, err)
+	assert.Equal(t, []string{transfer.MethodReload}, out.Methods)
+
+	// A server with neither way to load a checkpoint directory.
+	nodev := newDouble(t, double.Config{Generation: double.GenD})
+	_, err = a.Broadcast(ctx, BroadcastInput{Context: diskContext(t, nodev), Checkpoint: filepath.Join(sc.BaseDir, "ckpt")})
 	assert.Equal(t, pipelines.ErrTypeServerRejected, errType(t, err))
-	assert.ErrorContains(t, err, "generation B has no disk backend")
+	assert.ErrorContains(t, err, "neither POST /collective_rpc")
 }
 
 // fakeEngine is a test double of the NCCL engine: it records what the
@@ -186,8 +193,11 @@ func TestTransferDispatch(t *testing.T) {
 	a.NCCL = fake
 	out, err := a.Broadcast(ctx, BroadcastInput{Context: nccl, Checkpoint: "x", Version: "v"})
 	require.NoError(t, err)
+	// The run's record of each server: version and API generation.
+	assert.Equal(t, []pipelines.VLLMServer{{URL: d1.URL, Version: "0.28.0", API: "D"}, {URL: d2.URL, Version: "0.28.0", API: "D"}}, out.VLLM)
+	out.VLLM = nil
 	assert.Equal(t, BroadcastOutput{Backend: pipelines.BackendNCCL, Bytes: 10, Tensors: 1, Seconds: 1, GBps: 1e-8, Version: "v",
-		Checkpoint: filepath.Join(nccl.BaseDir, "x"), ServerSeconds: map[string]float64{}, Attempt: 1}, *out)
+		Checkpoint: filepath.Join(nccl.BaseDir, "x"), ServerSeconds: map[string]float64{}, Methods: []string{}, Attempt: 1}, *out)
 	require.Len(t, fake.target.Fleet, 2)
 	assert.Equal(t, d2.URL, fake.target.Fleet[1].URL())
 	// One path for both backends: the checkpoint is resolved against the

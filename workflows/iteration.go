@@ -80,6 +80,8 @@ type interpreter struct {
 	weights *pipelines.ExpectedWeights
 	// fleetPaused: a pause step succeeded and no resume step since.
 	fleetPaused bool
+	// vllm is what the steps learned of the servers (MetaVLLM).
+	vllm []pipelines.VLLMServer
 }
 
 func (it *interpreter) byID(id string) *stepRun {
@@ -165,7 +167,7 @@ func (it *interpreter) run(ctx workflow.Context) (*IterationResult, error) {
 			it.waitWhilePaused(ctx, pauseCh, resumeCh)
 		}
 	}
-	res := &IterationResult{Iteration: it.in.Iteration, GPUHost: it.gpuHost(), Weights: it.weights}
+	res := &IterationResult{Iteration: it.in.Iteration, GPUHost: it.gpuHost(), Weights: it.weights, VLLM: it.vllm}
 	for _, r := range it.runs {
 		res.Steps = append(res.Steps, r.result)
 	}
@@ -190,7 +192,7 @@ func (it *interpreter) publish(ctx workflow.Context, status string) {
 			status = RunPaused
 		}
 	}
-	workflow.SetCurrentDetails(ctx, iterationDetails(it.in.Spec, it.in.Iteration, status, it.runs))
+	workflow.SetCurrentDetails(ctx, iterationDetails(it.in.Spec, it.in.Iteration, status, it.runs, it.vllm))
 }
 
 func (it *interpreter) pendingCount() int {
@@ -353,6 +355,7 @@ func (it *interpreter) finish(ctx workflow.Context, r *stepRun, f workflow.Futur
 	}
 	if err == nil {
 		r.result.Status = StatusSucceeded
+		it.vllm = mergeVLLM(it.vllm, vllmMeta(out))
 		r.result.Outputs, r.result.Attempts = splitMeta(out)
 		it.track(r)
 		return

@@ -133,7 +133,7 @@ func RunPipeline(ctx workflow.Context, raw json.RawMessage) (*PipelineResult, er
 	}
 	r.status = StatusSucceeded
 	r.upsert(ctx)
-	return &PipelineResult{Pipeline: spec.Name, Iterations: r.done, StoppedBy: stoppedBy, Recent: r.in.Recent}, nil
+	return &PipelineResult{Pipeline: spec.Name, Iterations: r.done, StoppedBy: stoppedBy, Recent: r.in.Recent, VLLM: r.in.VLLM}, nil
 }
 
 type pipelineRun struct {
@@ -260,6 +260,7 @@ func (r *pipelineRun) runIteration(ctx workflow.Context, iter int, pauseCh, resu
 		r.in.GPUHost = res.GPUHost
 		r.in.Weights = res.Weights
 	}
+	r.in.VLLM = mergeVLLM(r.in.VLLM, res.VLLM)
 	sum := IterationSummary{Iteration: iter, WorkflowID: id, Status: StatusSucceeded, Outputs: map[string]map[string]any{}}
 	for _, s := range res.Steps {
 		if s.Status == StatusSucceeded && len(s.Outputs) > 0 {
@@ -348,7 +349,7 @@ func (r *pipelineRun) noteHeadline(sum IterationSummary) {
 // attributes (those the namespace has).
 func (r *pipelineRun) publish(ctx workflow.Context) {
 	status := r.runStatus()
-	workflow.SetCurrentDetails(ctx, pipelineDetails(r.in.Spec, status, r.iteration, r.limit, r.headline, r.in.Recent, r.lastSteps, r.stepsOf))
+	workflow.SetCurrentDetails(ctx, pipelineDetails(r.in.Spec, status, r.iteration, r.limit, r.headline, r.in.Recent, r.lastSteps, r.stepsOf, r.in.VLLM))
 	var updates []temporal.SearchAttributeUpdate
 	add := func(name string, u temporal.SearchAttributeUpdate) {
 		if r.registered[name] {

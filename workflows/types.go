@@ -22,6 +22,8 @@
 package workflows
 
 import (
+	"encoding/json"
+	"slices"
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -111,6 +113,9 @@ type PipelineInput struct {
 	// Weights are what the run's last broadcast loaded into the servers:
 	// generate and evaluate check that every server still serves them.
 	Weights *pipelines.ExpectedWeights `json:"weights,omitempty"`
+	// VLLM is what the run learned of every vLLM server it talked to
+	// (version, API generation), latest first seen order.
+	VLLM []pipelines.VLLMServer `json:"vllm,omitempty"`
 }
 
 // PipelineResult is the outcome of a finished run.
@@ -119,6 +124,9 @@ type PipelineResult struct {
 	Iterations int                `json:"iterations"`
 	StoppedBy  string             `json:"stopped_by"` // "iterations", "until", "max_iterations"
 	Recent     []IterationSummary `json:"recent,omitempty"`
+	// VLLM is every vLLM server the run talked to: URL, vLLM version and
+	// weight-transfer API generation.
+	VLLM []pipelines.VLLMServer `json:"vllm,omitempty"`
 }
 
 // IterationInput runs one iteration of the DAG.
@@ -149,6 +157,9 @@ type IterationResult struct {
 	// Weights are what the servers serve after this iteration: its last
 	// successful broadcast's, or the input's when none ran.
 	Weights *pipelines.ExpectedWeights `json:"weights,omitempty"`
+	// VLLM is what this iteration's steps learned of the servers they
+	// talked to (their pipelines.MetaVLLM metadata).
+	VLLM []pipelines.VLLMServer `json:"vllm,omitempty"`
 }
 
 // IterationSummary is what the parent keeps of a finished iteration: small.
@@ -259,4 +270,43 @@ type GPUHost struct {
 	TaskQueue string `json:"task_queue"`
 	Host      string `json:"host"`
 	Device    int    `json:"device"`
+}
+
+// mergeVLLM records what was learned of servers: an entry replaces the one
+// for its URL (in place), new URLs are appended; entries without a URL are
+// dropped.
+func mergeVLLM(known, learned []pipelines.VLLMServer) []pipelines.VLLMServer {
+	for _, l := range learned {
+		if l.URL == "" {
+			continue
+		}
+		i := slices.IndexFunc(known, func(k pipelines.VLLMServer) bool { return k.URL == l.URL })
+		if i < 0 {
+			known = append(known, l)
+			continue
+		}
+		if l.Version == "" && l.API == "" && known[i].Version != "" {
+			continue // a failed reading does not erase a good one
+		}
+		known[i] = l
+	}
+	return known
+}
+
+// vllmMeta decodes a step's pipelines.MetaVLLM metadata; nil when absent
+// or malformed (it is a record, never a reason to fail).
+func vllmMeta(out map[string]any) []pipelines.VLLMServer {
+	raw, ok := out[pipelines.MetaVLLM]
+	if !ok {
+		return nil
+	}
+	b, err := json.Marshal(raw)
+	if err != nil {
+		return nil
+	}
+	var v []pipelines.VLLMServer
+	if json.Unmarshal(b, &v) != nil {
+		return nil
+	}
+	return v
 }

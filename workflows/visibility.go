@@ -159,7 +159,7 @@ func metricColumns(spec *pipelines.Pipeline, recent []IterationSummary) []string
 
 // pipelineDetails is the pipeline run's current details: its state, the
 // recent iterations' metrics and the last finished iteration's steps.
-func pipelineDetails(spec *pipelines.Pipeline, status string, iteration, limit int, headline *float64, recent []IterationSummary, steps []StepResult, stepsOf int) string {
+func pipelineDetails(spec *pipelines.Pipeline, status string, iteration, limit int, headline *float64, recent []IterationSummary, steps []StepResult, stepsOf int, servers []pipelines.VLLMServer) string {
 	var b strings.Builder
 	b.WriteString(fmt.Sprintf("**%s** · %s · iteration %d of %d", mdCell(spec.Name), status, iteration, limit))
 	if headline != nil {
@@ -190,13 +190,36 @@ func pipelineDetails(spec *pipelines.Pipeline, status string, iteration, limit i
 		b.WriteString(fmt.Sprintf("\nSteps of iteration %d:\n\n", stepsOf))
 		writeStepTable(&b, steps, nil)
 	}
+	writeServers(&b, servers)
 	return b.String()
+}
+
+// writeServers lists the vLLM servers the run talked to, with their vLLM
+// version and weight-transfer API generation.
+func writeServers(b *strings.Builder, servers []pipelines.VLLMServer) {
+	if len(servers) == 0 {
+		return
+	}
+	b.WriteString("\n| vLLM server | version | API |\n|---|---|---|\n")
+	for _, s := range servers {
+		version, api := s.Version, s.API
+		if version == "" {
+			version = "unknown"
+		}
+		if api == "" {
+			api = "unknown"
+		}
+		if s.Error != "" {
+			api += " (" + clipText(s.Error, 80) + ")"
+		}
+		b.WriteString(fmt.Sprintf("| %s | %s | %s |\n", mdCell(s.URL), mdCell(version), mdCell(api)))
+	}
 }
 
 // iterationDetails is an iteration's current details: its state and one
 // row per step. A running step shows when it started (details are set at
 // events, so a running duration would be stale).
-func iterationDetails(spec *pipelines.Pipeline, iteration int, status string, runs []*stepRun) string {
+func iterationDetails(spec *pipelines.Pipeline, iteration int, status string, runs []*stepRun, servers []pipelines.VLLMServer) string {
 	var b strings.Builder
 	b.WriteString(fmt.Sprintf("**%s** · iteration %d · %s\n\n", mdCell(spec.Name), iteration, status))
 	steps := make([]StepResult, len(runs))
@@ -205,6 +228,7 @@ func iterationDetails(spec *pipelines.Pipeline, iteration int, status string, ru
 		steps[i], started[i] = r.result, r.started
 	}
 	writeStepTable(&b, steps, started)
+	writeServers(&b, servers)
 	return b.String()
 }
 
