@@ -20,7 +20,9 @@ import (
 )
 
 // rlhfDouble is a vLLM test double served by the test process, as `rlflow
-// dev` serves it: generation C, disk backend, the untrained model of seed 0.
+// dev` serves it: stock vLLM of the newest API generation (no draft disk
+// backend: checkpoints load through /collective_rpc), the untrained model
+// of seed 0.
 type rlhfDouble struct {
 	*double.Server
 	URL string
@@ -28,7 +30,7 @@ type rlhfDouble struct {
 
 func startDouble(t *testing.T, faults double.Faults) *rlhfDouble {
 	t.Helper()
-	d, err := double.New(double.Config{Generation: double.GenC, Backend: double.BackendDisk, DevMode: true, Faults: faults})
+	d, err := double.New(double.Config{Generation: double.GenE, Backend: double.BackendNCCL, DevMode: true, Faults: faults})
 	require.NoError(t, err)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -99,25 +101,29 @@ func TestRLHFDemoImprovesScoreOnTwoDoubles(t *testing.T) {
 	version, _ := last.Outputs["sync"]["version"].(string)
 	require.NotEmpty(t, version, "sync outputs %v", last.Outputs["sync"])
 	assert.Equal(t, fmt.Sprintf("%s/iter-%d", runID, iterations), version, "broadcast's default version label")
+	assert.Equal(t, []any{"collective_rpc", "collective_rpc"}, last.Outputs["sync"]["methods"], "how each server loaded the checkpoint")
 	ckpt, _ := last.Outputs["train"]["checkpoint"].(string)
+	require.Len(t, res.VLLM, len(ds), "the run records every server")
 	for i, d := range ds {
+		assert.Equal(t, pipelines.VLLMServer{URL: d.URL, Version: d.Config().Version, API: "E"}, res.VLLM[i], "the run's record of double %d", i)
 		assert.Equal(t, version, d.WeightVersion(), "double %d weight version", i)
 		assert.False(t, d.isPaused(t), "double %d is left paused", i)
 		st := d.Stats()
 		assert.Equal(t, iterations, st.Requests["POST /pause"], "double %d: pauses", i)
 		assert.Equal(t, iterations, st.Requests["POST /resume"], "double %d: resumes", i)
-		assert.Equal(t, iterations, st.Requests["POST /update_weights"], "double %d: weight updates", i)
+		assert.Equal(t, iterations, st.Requests["POST /collective_rpc"], "double %d: checkpoint reloads", i)
+		assert.Zero(t, st.Requests["POST /update_weights"], "double %d: stock vLLM has no draft disk backend", i)
 		want, err := bigram.Load(ckpt)
 		require.NoError(t, err)
 		assert.Equal(t, want.Checksum(), d.Model().Checksum(), "double %d serves the last checkpoint", i)
 	}
 }
 
-// A double whose /update_weights answers 500: the run fails naming the
-// broadcast step and the server's reason, and resume (always: true) still
-// resumes both doubles.
+// A double whose checkpoint reload (/collective_rpc) answers 500: the run
+// fails naming the broadcast step and the server's reason, and resume
+// (always: true) still resumes both doubles.
 func TestRLHFDemoFailedBroadcastLeavesDoublesResumed(t *testing.T) {
-	bad := startDouble(t, double.Faults{ErrorRate: map[string]float64{"/update_weights": 1}})
+	bad := startDouble(t, double.Faults{ErrorRate: map[string]float64{"/collective_rpc": 1}})
 	good := startDouble(t, double.Faults{})
 	_, _, err := runDemo(t, 1, good, bad)
 	require.Error(t, err)

@@ -71,21 +71,22 @@ UI cannot reach the rest of the machine through a path.`,
 				useDouble = len(args) == 0 && len(spec.Servers) > 0
 			}
 			if useDouble {
-				// Generation C, disk backend, the untrained model of seed 0
+				// Stock vLLM of the newest API generation (checkpoints load
+				// through /collective_rpc), the untrained model of seed 0
 				// (demo-train's random:0), on random loopback ports.
 				addrs := make([]string, len(spec.Servers))
 				for i := range addrs {
 					addrs[i] = "127.0.0.1:0"
 				}
-				d, err := startDoubles(context.WithoutCancel(ctx), double.Config{Generation: double.GenC, Backend: double.BackendDisk, DevMode: true}, addrs)
+				d, err := startDoubles(context.WithoutCancel(ctx), double.Config{Generation: double.GenE, Backend: double.BackendNCCL, DevMode: true}, addrs)
 				if err != nil {
 					return err
 				}
 				defer d.stop()
 				for i := range spec.Servers {
-					spec.Servers[i] = pipelines.Server{URL: d.urls[i], API: string(double.GenC)}
+					spec.Servers[i] = pipelines.Server{URL: d.urls[i]}
 				}
-				fmt.Fprintf(out, "vLLM TEST AND DEMO DOUBLE (not an inference engine; generation C, disk backend) at %s\n", strings.Join(d.urls, ", "))
+				fmt.Fprintf(out, "vLLM TEST AND DEMO DOUBLE (not an inference engine; stock vLLM of API generation E: checkpoints reload through /collective_rpc) at %s\n", strings.Join(d.urls, ", "))
 			}
 			if exe, err := os.Executable(); err == nil && hasParam(spec, "rlflow") && !hasFlagParam(params, "rlflow") {
 				values["rlflow"] = exe // the demo's exec step runs this very binary
