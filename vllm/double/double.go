@@ -36,6 +36,14 @@
 //   - reload_weights bypasses the weight-transfer session and the version;
 //     while the workers' load format is dummy it redraws the dummy weights
 //     instead of loading the checkpoint, and still answers 200.
+//   - /weight_checker (C+, unless Config.NoWeightChecker) keys one digest
+//     per worker shard (dp{dp}:pp0:pcp0:tp{tp}:bigram.logits), keeps no
+//     state, answers invalid requests 400 and 409 while paused on C/D only;
+//     reset really zeroes the served logits.
+//   - OpenAI bodies: unknown fields are ignored, as vLLM ignores them;
+//     known fields keep their types and ranges (400 naming the field).
+//   - /metrics exports the weight-update duration histogram and the
+//     in-flight gauge for init, start, update and finish (not reloads).
 //   - Everything is bounded: request bodies, prompts per request, samples,
 //     tokens, rendezvous time; no input makes it panic.
 package double
