@@ -523,6 +523,11 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 	if err != nil {
 		return transfer.UpdateResult{}, transfer.BadInputf("broadcast of %s: %v", req.Checkpoint, err)
 	}
+	// Before anything reaches a server (even a first broadcast's init):
+	// a layout vLLM cannot unpack, or fp8 the loaded NCCL lacks.
+	if err := e.checkReceivable(u); err != nil {
+		return transfer.UpdateResult{}, err
+	}
 	meta, err := u.Metadata()
 	if err != nil {
 		return transfer.UpdateResult{}, transfer.BadInputf("broadcast of %s: %v", req.Checkpoint, err)

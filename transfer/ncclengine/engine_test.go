@@ -9,6 +9,7 @@ import (
 	"math"
 	"net/http/httptest"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	"github.com/rlflow/rlflow/gpuhealth"
 	"github.com/rlflow/rlflow/gpuhealth/gpuhealthtest"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/ncclid"
 	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
@@ -91,6 +93,7 @@ func (r *receiver) Init(ctx context.Context, in double.NCCLInit) error {
 var receiverDTypes = map[string]nccl.DataType{
 	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
 	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
+	"float8_e4m3fn": nccl.Float8e4m3,
 }
 
 type receiverChunk struct {
@@ -346,13 +349,16 @@ func writeCheckpoint(t *testing.T, dir string, seed int) string {
 	}
 	path := filepath.Join(dir, fmt.Sprintf("ckpt-%d.safetensors", seed))
 	err := safetensors.Write(path, []safetensors.WriteTensor{
-		{Name: "extra.3x5x7", DType: safetensors.BF16, Shape: []int64{3, 5, 7}, Data: fill(2*105, 1)},
+		// Largest item size first, so that every tensor starts at an offset
+		// its item size divides in any packed chunk, and no 0-dim tensor:
+		// what vLLM's packed unpacking can view (plan.CheckPackedReceivable).
+		{Name: "extra.scalar", DType: safetensors.I64, Shape: []int64{1}, Data: fill(8, 2)},
 		{Name: bigram.TensorName, DType: safetensors.F32, Shape: []int64{bigram.Vocab, bigram.Vocab}, Data: logits},
-		{Name: "extra.scalar", DType: safetensors.I64, Shape: []int64{}, Data: fill(8, 2)},
-		{Name: "extra.mask", DType: safetensors.U8, Shape: []int64{17}, Data: fill(17, 3)},
-		{Name: "extra.empty", DType: safetensors.BF16, Shape: []int64{0, 4}, Data: nil},
 		{Name: "extra.f32", DType: safetensors.F32, Shape: []int64{1023}, Data: f32},
+		{Name: "extra.3x5x7", DType: safetensors.BF16, Shape: []int64{3, 5, 7}, Data: fill(2*105, 1)},
+		{Name: "extra.empty", DType: safetensors.BF16, Shape: []int64{0, 4}, Data: nil},
 		{Name: "extra.4097", DType: safetensors.BF16, Shape: []int64{4097}, Data: fill(2*4097, 4)},
+		{Name: "extra.mask", DType: safetensors.U8, Shape: []int64{17}, Data: fill(17, 3)},
 	}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -393,7 +399,7 @@ func checkBytes(t *testing.T, path string, got map[string][]byte, toBF16 bool) {
 // ---- tests ----
 
 func TestInitThenBroadcastTwice(t *testing.T) {
-	for _, gen := range []double.Generation{double.GenB, double.GenC, double.GenD} {
+	for _, gen := range []double.Generation{double.GenB, double.GenC, double.GenD, double.GenE} {
 		for _, sizes := range [][]int{{1}, {1, 2}} {
 			for _, packed := range []bool{true, false} {
 				name := fmt.Sprintf("%s/servers=%v/packed=%v", gen, sizes, packed)
@@ -422,8 +428,24 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 						if len(in) != 1 || in[0].WorldSize != world || in[0].Ranks[0] != offset || len(in[0].Ranks) != sizes[i] {
 							t.Fatalf("server %d init %+v, want ranks from %d, world %d", i, in, offset, world)
 						}
-						if gen == double.GenD && in[0].Packed != packed {
-							t.Fatalf("generation D: init_info packed %v, want %v", in[0].Packed, packed)
+						if (gen == double.GenD || gen == double.GenE) && in[0].Packed != packed {
+							t.Fatalf("generation %s: init_info packed %v, want %v", gen, in[0].Packed, packed)
+						}
+						// E gets the unique id in init_info (no TCPStore, no
+						// pickle); the others read the legacy pickle.
+						wantModule := ncclid.ModulePath
+						if gen == double.GenE {
+							wantModule = ""
+						}
+						if got := s.PickleModule(); got != wantModule {
+							t.Fatalf("server %d: pickle module %q, want %q", i, got, wantModule)
+						}
+						wantMethod := MethodTCPStore
+						if gen == double.GenE {
+							wantMethod = MethodUniqueID
+						}
+						if out.Methods[i] != wantMethod {
+							t.Fatalf("init methods %v, want %s for server %d", out.Methods, wantMethod, i)
 						}
 						offset += sizes[i]
 					}
@@ -788,5 +810,33 @@ func TestUnusableDeviceIsDeviceLost(t *testing.T) {
 	_, err = lost.Update(ctx, transfer.UpdateRequest{Target: e.target, Checkpoint: path, Version: "v", InitTimeout: 5 * time.Second})
 	if kindOf(err) != transfer.DeviceLost {
 		t.Errorf("broadcast on a missing device: %v, want DeviceLost", err)
+	}
+}
+
+// weight_transfer.rendezvous forces one way for every server: a TCPStore
+// pickle for E names the vllm.backends module of E's layout, and unique_id
+// is refused for a generation without nccl_unique_id_b64.
+func TestRendezvousSetting(t *testing.T) {
+	e := newEnv(t, envConfig{gen: double.GenE, worldSizes: []int{1, 2}, wt: pipelines.WeightTransfer{Rendezvous: pipelines.RendezvousTCPStore}})
+	out, err := e.init(e.ctx(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range e.servers {
+		if got := s.PickleModule(); got != ncclid.BackendsModulePath {
+			t.Fatalf("server %d: pickle module %q, want %q", i, got, ncclid.BackendsModulePath)
+		}
+	}
+	if want := []string{MethodTCPStore, MethodTCPStore}; !slices.Equal(out.Methods, want) {
+		t.Fatalf("methods %v, want %v", out.Methods, want)
+	}
+
+	c := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1}, wt: pipelines.WeightTransfer{Rendezvous: pipelines.RendezvousUniqueID}})
+	_, err = c.init(c.ctx(), nil)
+	if kindOf(err) != transfer.BadInput || !strings.Contains(err.Error(), "has no init_info.nccl_unique_id_b64") {
+		t.Fatalf("unique_id on C: %v", err)
+	}
+	if n := c.requests(0, "POST /init_weight_transfer_engine"); n != 0 {
+		t.Fatalf("%d init calls reached the server", n)
 	}
 }

@@ -32,9 +32,6 @@ var errServerFailed = errors.New("aborted because a server failed")
 // retried once instead of failing every attempt on "already open".
 func (e *Engine) update(ctx context.Context, g *group, fleet vllm.Fleet, ck *safetensors.Checkpoint, u staging.Update,
 	info vllm.UpdateInfo, version string, timeout time.Duration, fresh bool, progress *transfer.Progress) (staging.Result, error) {
-	if err := e.checkReceivable(u); err != nil {
-		return staging.Result{}, err
-	}
 	uctx, cancel := withTimeoutCause(ctx, timeout, fmt.Errorf("the update did not complete within %v (update_timeout)", timeout))
 	defer cancel()
 	hctx, hcancel := context.WithCancelCause(uctx)

@@ -296,7 +296,7 @@ func (s Spec) Bytes() int64 { return s.Elements() * int64(s.DType.ItemSize()) }
 // DecoderSpecs is a bf16 decoder-shaped model with fused projections
 // (embedding, layers of input_layernorm, qkv_proj, o_proj, gate_up_proj and
 // down_proj, lm_head) plus, after the embedding, the awkward tensors the
-// GPU tests check: 1, 3x5x7 and 65537 elements, an f32 scalar, a zero-size
+// GPU tests check: 1, 3x5x7 and 65537 elements, a one-element f32, a zero-size
 // tensor and int64. It has 8+5*layers tensors.
 func DecoderSpecs(hidden, inter, vocab, layers int) []Spec {
 	h, in, v := int64(hidden), int64(inter), int64(vocab)
@@ -304,7 +304,7 @@ func DecoderSpecs(hidden, inter, vocab, layers int) []Spec {
 		{"model.embed_tokens.weight", safetensors.BF16, []int64{v, h}},
 		{"odd.one", safetensors.BF16, []int64{1}},
 		{"odd.3x5x7", safetensors.BF16, []int64{3, 5, 7}},
-		{"odd.scalar", safetensors.F32, []int64{}},
+		{"odd.f32x1", safetensors.F32, []int64{1}}, // not 0-dim: vLLM cannot unpack a packed 0-dim tensor
 		{"odd.empty", safetensors.BF16, []int64{0, 16}},
 		{"odd.i64", safetensors.I64, []int64{7}},
 		{"odd.65537", safetensors.BF16, []int64{65537}},

@@ -36,7 +36,7 @@ func TestDecoderSpecs(t *testing.T) {
 				c.hidden, c.inter, c.vocab, c.layers, len(specs), total, c.tensors, c.bytes)
 		}
 		first, last := specs[0], specs[len(specs)-1]
-		if first.Name != "model.embed_tokens.weight" || last.Name != "lm_head.weight" || specs[3].Name != "odd.scalar" ||
+		if first.Name != "model.embed_tokens.weight" || last.Name != "lm_head.weight" || specs[3].Name != "odd.f32x1" ||
 			specs[3].DType != safetensors.F32 || specs[3].Elements() != 1 || specs[4].Elements() != 0 {
 			t.Errorf("unexpected layout: %+v ... %+v", specs[:7], last)
 		}
