@@ -23,9 +23,14 @@ import (
 // DevServer starts a headless dev server on a free loopback port for the
 // test. Without the Temporal CLI it skips, saying how to get it, except
 // under CI (CI=true), where a missing CLI is a failure: CI must never pass
-// by skipping.
+// by skipping. With $RLFLOW_TEST_TEMPORAL set to cluster or cluster-split
+// it starts a real cluster instead (StartCluster), whose cleanup stops it:
+// the Server it returns then has only its Address.
 func DevServer(t testing.TB) *devserver.Server {
 	t.Helper()
+	if o, ok := clusterFromEnv(t); ok {
+		return &devserver.Server{Address: StartCluster(t, o).Address}
+	}
 	bin := TemporalCLI(t)
 	srv, err := devserver.Start(context.Background(), devserver.Options{TemporalPath: bin})
 	if err != nil {
@@ -52,13 +57,15 @@ func TemporalCLI(t testing.TB) string {
 // Outage is a dev server that a test can take down and bring back on the
 // same address with its state (a database file in the test's temp dir), to
 // play a Temporal outage: workflows and their history survive it, as they
-// do a real cluster's restart.
+// do a real cluster's restart. Under $RLFLOW_TEST_TEMPORAL=cluster (or
+// cluster-split) it is a real cluster, which Down SIGKILLs.
 type Outage struct {
-	t   testing.TB
-	bin string
-	db  string
-	mu  sync.Mutex
-	srv *devserver.Server
+	t       testing.TB
+	bin     string
+	db      string
+	cluster *Cluster // nil: a dev server
+	mu      sync.Mutex
+	srv     *devserver.Server
 	// Address is the frontend's host:port, the same across restarts.
 	Address string
 }
@@ -67,6 +74,10 @@ type Outage struct {
 // restart; it skips (or fails under CI) like DevServer.
 func RestartableDevServer(t testing.TB) *Outage {
 	t.Helper()
+	if o, ok := clusterFromEnv(t); ok {
+		c := StartCluster(t, o)
+		return &Outage{t: t, cluster: c, Address: c.Address}
+	}
 	o := &Outage{t: t, bin: TemporalCLI(t), db: filepath.Join(t.TempDir(), "temporal.db"),
 		Address: "127.0.0.1:" + strconv.Itoa(FreePort(t))}
 	o.Up()
@@ -76,6 +87,10 @@ func RestartableDevServer(t testing.TB) *Outage {
 
 // Down stops the server (a no-op when it is down).
 func (o *Outage) Down() {
+	if o.cluster != nil {
+		o.cluster.Down()
+		return
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.srv != nil {
@@ -87,6 +102,10 @@ func (o *Outage) Down() {
 // Up starts the server again on the same address and database.
 func (o *Outage) Up() {
 	o.t.Helper()
+	if o.cluster != nil {
+		o.cluster.Up()
+		return
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.srv != nil {
