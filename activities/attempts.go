@@ -161,35 +161,7 @@ func writeRecord(path string, rec attemptRecord) error {
 	if err != nil {
 		return err
 	}
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return err
-	}
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+	return writeFileSync(path, b)
 }
 
 // readRecords reads the records in dir whose file names start with prefix
@@ -205,7 +177,7 @@ func readRecords(dir, prefix string) (map[string]attemptRecord, error) {
 	out := map[string]attemptRecord{}
 	for _, e := range entries {
 		name := e.Name()
-		if e.IsDir() || !strings.HasSuffix(name, ".json") || !strings.HasPrefix(name, prefix) {
+		if e.IsDir() || !strings.HasSuffix(name, ".json") || !strings.HasPrefix(name, prefix) || strings.HasPrefix(name, keptPrefix) {
 			continue
 		}
 		path := filepath.Join(dir, name)

@@ -7,6 +7,8 @@ import (
 	"os"
 	"time"
 
+	"google.golang.org/grpc"
+
 	"github.com/rlflow/rlflow/codec"
 	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
@@ -112,6 +114,9 @@ type DialOptions struct {
 	// MetricsHandler receives the SDK's metrics (a worker's
 	// metrics.Metrics.SDKHandler); nil drops them.
 	MetricsHandler client.MetricsHandler
+	// GRPCInterceptors see every call on the connection (a worker's
+	// activities.Reports.Watch).
+	GRPCInterceptors []grpc.UnaryClientInterceptor
 }
 
 // workerBackoff is how a worker waits for its frontend: quickly at first
@@ -149,6 +154,9 @@ func Dial(ctx context.Context, o DialOptions) (client.Client, error) {
 		return nil, fmt.Errorf("connecting to Temporal at %s (namespace %s): %w", o.Address, o.Namespace, err)
 	}
 	opts.MetricsHandler = o.MetricsHandler
+	if len(o.GRPCInterceptors) > 0 {
+		opts.ConnectionOptions.DialOptions = append(opts.ConnectionOptions.DialOptions, grpc.WithChainUnaryInterceptor(o.GRPCInterceptors...))
+	}
 	start := time.Now()
 	var c client.Client
 	failed := 0

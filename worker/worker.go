@@ -37,6 +37,11 @@ type Options struct {
 	OnFatalError func(error)
 	// Metrics observe every step this worker runs (nil: none).
 	Metrics *metrics.Metrics
+	// Reports keeps each step's result until the server acknowledged it
+	// and reports the ones an outage swallowed (activities.Reports); its
+	// Watch must be on c's connection (runs.DialOptions.GRPCInterceptors).
+	// Nil: none.
+	Reports *activities.Reports
 }
 
 // RegisterWorkflows registers the interpreter's workflows.
@@ -90,11 +95,16 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		opts.Deps.DataDir = filepath.Join(filepath.Dir(opts.Deps.LogDir), "data")
 	}
 	acts := activities.New(opts.Deps)
+	// The activities' secrets are masked in all they report; the metrics
+	// see each step inside the masking; kept results are the masked ones.
+	interceptors := []interceptor.WorkerInterceptor{acts.Interceptor(), opts.Metrics.Interceptor()}
+	if opts.Reports != nil {
+		opts.Reports.Bind(c, acts, logKept)
+		interceptors = append([]interceptor.WorkerInterceptor{opts.Reports.Interceptor()}, interceptors...)
+	}
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
 		MaxConcurrentActivityExecutionSize: opts.MaxConcurrentActivities,
-		// The activities' secrets are masked in all they report; the
-		// metrics see each step inside the masking.
-		Interceptors: []interceptor.WorkerInterceptor{acts.Interceptor(), opts.Metrics.Interceptor()},
+		Interceptors:                       interceptors,
 		// More pollers than the SDK's 2, so a wide fan-out of steps is
 		// dispatched at once instead of two at a time (see bench/).
 		MaxConcurrentActivityTaskPollers: 32,
@@ -104,12 +114,33 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	if err := sweepAttempts(acts); err != nil {
 		return nil, err
 	}
+	if opts.Reports != nil {
+		if err := opts.Reports.ResumeKept(); err != nil {
+			return nil, fmt.Errorf("worker: %w", err)
+		}
+	}
 	RegisterWorkflows(w)
 	RegisterControlActivities(w, acts)
 	// A local activity of the pipeline workflow, so it lives with the
 	// workflows, on the worker's own client.
 	w.RegisterActivityWithOptions(searchAttributeCheck{c}.Registered, activity.RegisterOptions{Name: workflows.SearchAttributesActivity})
 	return w, nil
+}
+
+// logKept logs what the kept results did.
+func logKept(e activities.KeptEvent) {
+	attrs := []any{"step", e.Step}
+	if e.Error != nil {
+		attrs = append(attrs, "reason", e.Error)
+	}
+	switch e.What {
+	case "kept":
+		slog.Warn("rlflow worker: a step's result did not reach Temporal; kept, and reported as soon as the server answers", attrs...)
+	case "dropped", "unreadable", "not written to disk (kept in memory only)":
+		slog.Warn("rlflow worker: kept result "+e.What, attrs...)
+	default:
+		slog.Info("rlflow worker: kept result "+e.What, attrs...)
+	}
 }
 
 // sweepAttempts kills what exec attempts of dead workers left running on

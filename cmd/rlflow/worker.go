@@ -17,6 +17,7 @@ import (
 	"github.com/rlflow/rlflow/worker"
 	"github.com/spf13/cobra"
 	"go.temporal.io/sdk/client"
+	"google.golang.org/grpc"
 )
 
 func newWorkerCmd(g *globalFlags) *cobra.Command {
@@ -106,7 +107,11 @@ the worker's log.`,
 			if err != nil {
 				return fmt.Errorf("--exec-env (env RLFLOW_EXEC_ENV): %w", err)
 			}
-			c, err := dialWorker(ctx, g, cf, m, log)
+			// Each step's result is kept until Temporal acknowledged it;
+			// the connection shows whether it did.
+			reports := activities.NewReports()
+			defer reports.Close()
+			c, err := dialWorker(ctx, g, cf, m, log, reports.Watch)
 			if err != nil || c == nil {
 				return err
 			}
@@ -114,7 +119,7 @@ the worker's log.`,
 			fatal := make(chan error, 1)
 			w, err := worker.NewControl(c, worker.Options{
 				TaskQueue: g.taskQueue, Deps: activities.Deps{LogDir: abs, DataDir: data, Roots: r, ExecEnv: execMode}, MaxConcurrentActivities: maxActivities,
-				Metrics: m,
+				Metrics: m, Reports: reports,
 				OnFatalError: func(err error) {
 					select {
 					case fatal <- err:
@@ -252,8 +257,8 @@ func (f connectFlags) check() error {
 // dialWorker connects a worker, waiting for Temporal; stopped (Ctrl-C)
 // while it waits, it returns neither client nor error: the worker was
 // asked to stop, and does.
-func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, m *metrics.Metrics, log *slog.Logger) (client.Client, error) {
-	c, err := g.dial(ctx, runs.DialOptions{Log: log, MaxWait: f.timeout, MetricsHandler: m.SDKHandler()})
+func dialWorker(ctx context.Context, g *globalFlags, f connectFlags, m *metrics.Metrics, log *slog.Logger, watch ...grpc.UnaryClientInterceptor) (client.Client, error) {
+	c, err := g.dial(ctx, runs.DialOptions{Log: log, MaxWait: f.timeout, MetricsHandler: m.SDKHandler(), GRPCInterceptors: watch})
 	if err != nil && ctx.Err() != nil {
 		log.Info("stopped while waiting for temporal", "address", g.address)
 		return nil, nil
