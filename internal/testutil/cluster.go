@@ -92,6 +92,18 @@ func clusterFromEnv(t testing.TB) (ClusterOptions, bool) {
 	}
 }
 
+// ClusterUnderTest starts the cluster $RLFLOW_TEST_TEMPORAL names, for the
+// tests that need a real cluster's parts (its database, its processes); it
+// skips when the variable names none: `make test-cluster` sets it.
+func ClusterUnderTest(t testing.TB) *Cluster {
+	t.Helper()
+	o, ok := clusterFromEnv(t)
+	if !ok {
+		t.Skipf("needs a real Temporal cluster: runs under make test-cluster ($%s=cluster or cluster-split)", TestTemporalEnv)
+	}
+	return StartCluster(t, o)
+}
+
 // ClusterOptions shape a cluster.
 type ClusterOptions struct {
 	// Split runs the frontend, history, matching and worker services as
