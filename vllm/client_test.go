@@ -397,10 +397,22 @@ func TestDiskUpdateFlow(t *testing.T) {
 		var cmp struct {
 			Match bool `json:"match"`
 		}
-		out, err := c.WeightChecker(ctx, "compare", before)
+		var sums struct {
+			Checksums map[string]string `json:"checksums"`
+		}
+		require.NoError(t, json.Unmarshal(before, &sums))
+		require.Contains(t, sums.Checksums, "dp0:pp0:pcp0:tp0:bigram.logits", "keys per shard")
+		out, err := c.WeightChecker(ctx, "compare", sums.Checksums)
 		require.NoError(t, err)
 		require.NoError(t, json.Unmarshal(out, &cmp))
 		assert.False(t, cmp.Match, "the weights changed")
+		now, err := c.WeightChecker(ctx, "checksum", nil)
+		require.NoError(t, err)
+		require.NoError(t, json.Unmarshal(now, &sums))
+		out, err = c.WeightChecker(ctx, "compare", sums.Checksums)
+		require.NoError(t, err)
+		require.NoError(t, json.Unmarshal(out, &cmp))
+		assert.True(t, cmp.Match, "the same weights match")
 		_, err = c.WeightChecker(ctx, "bogus", nil)
 		assert.EqualError(t, err, "vllm "+s.URL+`: POST /weight_checker: HTTP 400: unknown action "bogus": want checksum, reset or compare`)
 

@@ -423,11 +423,13 @@ func (c *Client) WeightInfo(ctx context.Context) (string, error) {
 	return "", c.errorf(cl, http.StatusOK, nil, "weight_version %s is neither a string nor a number", clip(string(raw)))
 }
 
-// WeightChecker runs the server's weight checker (C, D): action "checksum",
-// "reset" or "compare" (with baseline, typically an earlier checksum
-// answer; nil omits it). The server answers 409 while paused. It reads
-// every weight, so it runs under the update deadline. Not retried (reset
-// changes state).
+// WeightChecker runs the server's weight checker (C, D, E): action
+// "checksum" ({"checksums": {key: checksum}}, keys per shard:
+// dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}), "reset" (which zeroes the
+// weights) or "compare" with baseline, the "checksums" map of an earlier
+// checksum answer (nil omits it). Some routers lack the route (404), some
+// answer 409 while paused, the newest do not. It reads every weight, so it
+// runs under the update deadline. Not retried (reset changes state).
 func (c *Client) WeightChecker(ctx context.Context, action string, baseline any) (json.RawMessage, error) {
 	body := map[string]any{"action": action}
 	if baseline != nil {
