@@ -42,7 +42,7 @@ Non-packed broadcasts use vLLM's NCCL type per dtype (NCCL_DTYPES), among
 them float8_e4m3fn as ncclFloat8e4m3 (10, NCCL >= 2.24); a dtype vLLM does
 not map is refused with a 500, as vLLM's from_torch raises.
 
-HTTP mode (--http PORT --api C|D) is a vLLM-like server front instead of a
+HTTP mode (--http PORT --api C|D|E) is a vLLM-like server front instead of a
 one-shot receiver: it serves the dev-mode weight-transfer routes rlflow's
 GPU worker calls (GET /get_world_size, POST /init_weight_transfer_engine,
 /start_weight_update, /update_weights, /finish_weight_update, GET
@@ -56,6 +56,22 @@ checkpoint, and POST /fail_next_update (test control, not vLLM) makes the
 next update_weights answer 500 before receiving anything, as a vLLM worker
 that rejects the metadata does. It prints "READY {json}" once listening.
 One rank per server (world size 1).
+
+Generation E (--api E, vLLM >= 0.30, spec section 8): payloads as D, and
+init_info may carry nccl_unique_id_b64 (standard base64 of the 128 id
+bytes) instead of master_address/master_port: the communicator is then
+built from those bytes, no TCPStore, no pickle; both or neither is a 500
+ValueError. Its module tree is the vllm.backends layout, so a pickled id
+naming either module loads. The router answers 400 for invalid JSON, a
+non-object body, a missing or non-object init_info and an update_info
+neither an object nor a list of objects (a list holds one payload per
+inference worker: here exactly one); worker errors stay 500, and a failed
+update_weights (500) closes the update session, so a following
+finish_weight_update answers 500 "... without a matching
+start_weight_update". GET /version answers 0.30.0 (C and D serve no
+/version) and POST /update_weight_version sets the weight version. GET
+/received names, per init, how the id arrived (rendezvous: tcpstore or
+unique_id) and the module and size of the pickle the TCPStore held.
 
 It also serves vLLM's generation control, POST /pause?mode=abort|wait|keep
 ({"status": "paused"}), POST /resume ({"status": "resumed"}) and GET
@@ -76,9 +92,12 @@ a test can act in its middle.
 """
 
 import argparse
+import base64
+import binascii
 import ctypes
 import datetime
 import glob
+import io
 import json
 import os
 import pickle
@@ -120,20 +139,93 @@ def emit(kind, **fields):
     print(kind, json.dumps(fields, sort_keys=True), flush=True)
 
 
-def install_shim():
-    """Create vllm/distributed/device_communicators/pynccl_wrapper.py in a
-    temporary directory, put it first on sys.path and import it."""
+# The pickled ncclUniqueId names one of these modules (spec section 8): C
+# and D have only the legacy one; generation E's vllm.backends layout keeps
+# the class in the backends module and resolves the legacy name through a
+# compatibility shim.
+LEGACY_MODULE = "vllm.distributed.device_communicators.pynccl_wrapper"
+BACKENDS_MODULE = "vllm.backends.distributed.device_communicators.pynccl_wrapper"
+COMPAT_SHIM = '''"""Test shim: the legacy module of the vllm.backends layout, re-exporting the class."""
+from vllm.backends.distributed.device_communicators.pynccl_wrapper import ncclUniqueId  # noqa: F401
+'''
+UNIQUE_ID_BYTES = 128
+_shim_roots = []  # sys.path entries of the installed shims
+
+
+def install_shim(backends=False):
+    """Create a vllm module tree defining the ctypes ncclUniqueId in a
+    temporary directory, put it first on sys.path and import the class's
+    module. Default (C, D): only LEGACY_MODULE. backends (E): the class in
+    BACKENDS_MODULE and LEGACY_MODULE a compat shim re-exporting it, so a
+    pickle naming either module loads as the same class. A shim installed
+    before is forgotten first (the self-test installs both layouts)."""
+    import importlib
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
+    while _shim_roots:
+        sys.path.remove(_shim_roots.pop())
     root = tempfile.mkdtemp(prefix="rlflow-vllm-shim-")
-    pkg = os.path.join(root, "vllm", "distributed", "device_communicators")
-    os.makedirs(pkg)
-    for d in (os.path.join(root, "vllm"), os.path.join(root, "vllm", "distributed"), pkg):
-        with open(os.path.join(d, "__init__.py"), "w") as f:
-            f.write("")
-    with open(os.path.join(pkg, "pynccl_wrapper.py"), "w") as f:
-        f.write(SHIM)
+
+    def write(module, text):
+        d = root
+        for part in module.split(".")[:-1]:
+            d = os.path.join(d, part)
+            os.makedirs(d, exist_ok=True)
+            open(os.path.join(d, "__init__.py"), "a").close()
+        with open(os.path.join(d, module.split(".")[-1] + ".py"), "w") as f:
+            f.write(text)
+    if backends:
+        write(BACKENDS_MODULE, SHIM)
+        write(LEGACY_MODULE, COMPAT_SHIM)
+    else:
+        write(LEGACY_MODULE, SHIM)
     sys.path.insert(0, root)
-    from vllm.distributed.device_communicators import pynccl_wrapper  # noqa: E402
-    return pynccl_wrapper
+    _shim_roots.append(root)
+    importlib.invalidate_caches()
+    return importlib.import_module(BACKENDS_MODULE if backends else LEGACY_MODULE)
+
+
+def unpickle_unique_id(raw, cls):
+    """pickle.loads of the store's value as a vLLM worker does it, also
+    returning the module the pickle named for the class: every global a
+    pickle names is resolved through Unpickler.find_class, which records it
+    here. An unknown module fails as in vLLM (ModuleNotFoundError)."""
+    named = []
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name == "ncclUniqueId":
+                named.append(module)
+            return super().find_class(module, name)
+    uid = Recorder(io.BytesIO(raw)).load()
+    if not isinstance(uid, cls):
+        raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
+    return uid, (named[0] if named else None)
+
+
+def unique_id_source(info):
+    """Generation E: how init_info gives the worker the NCCL unique id:
+    ("unique_id", the 128 bytes of nccl_unique_id_b64, standard base64) or
+    ("tcpstore", (master_address, master_port)). Exactly one way must be
+    given; both or neither is a ValueError, which the worker raises (a 500),
+    as does an id that is not the base64 of 128 bytes."""
+    b64 = info.get("nccl_unique_id_b64")
+    addr, port = info.get("master_address"), info.get("master_port")
+    if b64 is not None and (addr or port):
+        raise ValueError("pass either nccl_unique_id_b64 or master_address/master_port, not both")
+    if b64 is None:
+        if not addr or not port:
+            raise ValueError("master_address and master_port are required (or nccl_unique_id_b64)")
+        return "tcpstore", (addr, int(port))
+    if not isinstance(b64, str):
+        raise ValueError("nccl_unique_id_b64 must be a string, got %s" % type(b64).__name__)
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except binascii.Error as e:
+        raise ValueError("nccl_unique_id_b64 is not standard base64: %s" % e)
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError("nccl_unique_id_b64 holds %d bytes, want %d" % (len(raw), UNIQUE_ID_BYTES))
+    return "unique_id", raw
 
 
 def numel(shape):
@@ -290,8 +382,7 @@ def self_test():
     assert type(back).__module__ == "vllm.distributed.device_communicators.pynccl_wrapper"
     assert bytes(back.internal) == bytes(uid.internal)
     # --http's generation control and report, without torch.
-    w = HTTPWorker.__new__(HTTPWorker)
-    w.init_state()
+    w = bare_worker("D")
     assert w.is_paused() == {"is_paused": False}
     assert w.pause({}, {"mode": ["keep"]}) == {"status": "paused"}
     assert w.pause({}, {}) == {"status": "paused"}  # mode defaults to abort
@@ -310,7 +401,116 @@ def self_test():
     w.session_updates.append(entry)
     w.finish({"weight_version": "v1"})
     assert entry["version"] == "v1" and w.version == "v1" and not w.session
+    self_test_gen_e(mod, raw)
     print("receiver self-test PASS")
+
+
+def bare_worker(api):
+    """An HTTPWorker without torch or NCCL, for the self-test."""
+    w = HTTPWorker.__new__(HTTPWorker)
+    w.args = argparse.Namespace(api=api)
+    w.init_state()
+    return w
+
+
+def expect_failure(code, detail, f, *args):
+    try:
+        f(*args)
+    except HTTPFailure as e:
+        assert (e.code, e.detail[:len(detail)]) == (code, detail), (e.code, e.detail)
+        return
+    raise AssertionError("%s%r: no HTTP %d %s" % (f.__name__, args, code, detail))
+
+
+def self_test_gen_e(legacy_mod, legacy_raw):
+    """Generation E without torch: the two module layouts and their pickles,
+    init_info's two ways to the unique id, the router's 400s, the session a
+    failed update closes, /version and /update_weight_version."""
+    # Layouts: E resolves a pickle naming either module to its one class (the
+    # legacy name through the compat shim); C/D know only the legacy module.
+    e_mod = install_shim(backends=True)
+    uid = e_mod.ncclUniqueId.from_buffer_copy(bytes(range(128)))
+    new_raw = pickle.dumps(uid, protocol=4)
+    assert len(new_raw) == 256, len(new_raw)  # what rlflow's ncclid pickles for the backends layout
+    for raw, module in ((legacy_raw, LEGACY_MODULE), (new_raw, BACKENDS_MODULE)):
+        back, named = unpickle_unique_id(raw, e_mod.ncclUniqueId)
+        assert named == module and type(back) is e_mod.ncclUniqueId, (named, type(back))
+    assert bytes(unpickle_unique_id(new_raw, e_mod.ncclUniqueId)[0].internal) == bytes(range(128))
+    d_mod = install_shim()
+    assert unpickle_unique_id(legacy_raw, d_mod.ncclUniqueId)[1] == LEGACY_MODULE
+    try:
+        unpickle_unique_id(new_raw, d_mod.ncclUniqueId)
+        raise AssertionError("the legacy layout unpickled the vllm.backends module")
+    except ModuleNotFoundError:
+        pass
+    assert legacy_mod.__name__ == LEGACY_MODULE
+
+    # init_info: exactly one way to the id.
+    b64 = base64.b64encode(bytes(range(128))).decode()
+    assert unique_id_source({"nccl_unique_id_b64": b64, "rank_offset": 1, "world_size": 2}) == ("unique_id", bytes(range(128)))
+    assert unique_id_source({"master_address": "127.0.0.1", "master_port": 29500}) == ("tcpstore", ("127.0.0.1", 29500))
+    for info, why in (
+            ({"nccl_unique_id_b64": b64, "master_address": "127.0.0.1", "master_port": 29500}, "pass either"),
+            ({"nccl_unique_id_b64": b64, "master_port": 29500}, "pass either"),
+            ({"rank_offset": 1, "world_size": 2}, "master_address and master_port are required"),
+            ({"master_address": "127.0.0.1"}, "master_address and master_port are required"),
+            ({"nccl_unique_id_b64": b64[:-4]}, "nccl_unique_id_b64 holds 126 bytes"),
+            ({"nccl_unique_id_b64": "not base64!"}, "nccl_unique_id_b64 is not standard base64"),
+            ({"nccl_unique_id_b64": 7}, "nccl_unique_id_b64 must be a string")):
+        try:
+            unique_id_source(info)
+            raise AssertionError("accepted %r" % info)
+        except ValueError as e:
+            assert str(e).startswith(why), (info, e)
+
+    # The router's 400s, before any worker (or torch) is involved.
+    w = bare_worker("E")
+    expect_failure(400, "Missing 'init_info'", w.init_engine, {})
+    expect_failure(400, "Missing 'init_info'", w.init_engine, {"init_info": None})
+    expect_failure(400, "'init_info' must be a JSON object, got list", w.init_engine, {"init_info": []})
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'bogus'", w.init_engine,
+                   {"init_info": {"nccl_unique_id_b64": b64, "rank_offset": 1, "world_size": 2, "bogus": 1}})
+    try:
+        w.init_engine({"init_info": {"rank_offset": 1, "world_size": 2}})
+        raise AssertionError("init without a way to the id")
+    except ValueError as e:  # a worker error: the handler answers 500 "ValueError: ..."
+        assert "required" in str(e)
+
+    # A failed update_weights closes E's session; the router's 400 does not.
+    assert w.start({}) == {"message": "Weight update started"}
+    expect_failure(400, "Missing 'update_info'", w.update, {})
+    expect_failure(400, "'update_info' must be a JSON object or a list of JSON objects, got str", w.update, {"update_info": "x"})
+    expect_failure(400, "'update_info' must be a JSON object or a list of JSON objects, got list", w.update, {"update_info": [{}, 1]})
+    assert w.session, "a 400 from the router closed the session"
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'packed'", w.update,
+                   {"update_info": {"names": [], "dtype_names": [], "shapes": [], "packed": True}})
+    assert not w.session, "a failed update_weights left E's session open"
+    expect_failure(500, E_NO_SESSION, w.finish, {})
+    assert w.start({}) == {"message": "Weight update started"}
+    expect_failure(500, "ValueError: update_info has 2 entries", w.update, {"update_info": [{}, {}]})
+    assert not w.session
+    assert w.start({}) == {"message": "Weight update started"}
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'packed' (update_info[0])", w.update,
+                   {"update_info": [{"names": [], "dtype_names": [], "shapes": [], "packed": True}]})
+    assert not w.session
+    assert [e["what"] for e in w.report()["events"]].count("session closed by the worker: update_weights failed") == 3
+    # C and D keep their wording, and D's failed update leaves the session open.
+    d = bare_worker("D")
+    expect_failure(500, "RuntimeError: no open weight update session", d.finish, {})
+    d.start({})
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'packed'", d.update,
+                   {"update_info": {"names": [], "dtype_names": [], "shapes": [], "packed": True}})
+    assert d.session
+
+    # Routes: E has /version 0.30.0 (what rlflow reads as E) and
+    # /update_weight_version; D has neither, as before.
+    posts, _, gets = routes(w, "E")
+    assert gets["/version"]() == {"version": "0.30.0"}
+    assert posts["/update_weight_version"]({"new_version": "run/iter-3-failed"})["weight_version"] == "run/iter-3-failed"
+    assert gets["/weight_info"]() == {"weight_version": "run/iter-3-failed"}
+    expect_failure(400, "'new_version' must be a non-empty string", posts["/update_weight_version"], {})
+    posts, _, gets = routes(d, "D")
+    assert "/version" not in gets and "/update_weight_version" not in posts
 
 
 def open_expected(path, device):
@@ -337,6 +537,17 @@ class HTTPFailure(Exception):
 INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
 UPDATE_KEYS = {"names", "dtype_names", "shapes"}
 PACKED_KEYS = {"packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+UNIQUE_ID_KEY = "nccl_unique_id_b64"
+
+# GET /version per generation: E's is where rlflow's client (vllm package,
+# firstGenE) reads a server as E, as the vLLM double answers. C and D serve
+# no /version here (404), as before E existed.
+VERSIONS = {"E": "0.30.0"}
+
+# Generation E's worker refuses to finish when there is no session (after a
+# failed update_weights it closed its own): rlflow's vllm.NoSessionOpen
+# recognises this text.
+E_NO_SESSION = "RuntimeError: finish_weight_update called without a matching start_weight_update"
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -356,7 +567,7 @@ class HTTPWorker:
         import torch
         import torch.distributed as dist
         self.torch, self.dist, self.args = torch, dist, args
-        self.shim = install_shim()
+        self.shim = install_shim(backends=args.api == "E")
         self.nccl = Nccl(args.nccl_lib, self.shim.ncclUniqueId)
         self.dev = torch.device("cuda", args.device)
         self.init_state()
@@ -394,11 +605,50 @@ class HTTPWorker:
         info = body.get(name)
         if not isinstance(info, dict):
             raise HTTPFailure(400, "Missing '%s' in request body" % name)
+        return HTTPWorker.strict_keys(info, allowed)
+
+    @staticmethod
+    def strict_keys(info, allowed, where=""):
         extra = sorted(set(info) - allowed)
         if extra:
             # vLLM decodes into a strict dataclass: an unknown key is a 500.
-            raise HTTPFailure(500, "TypeError: __init__() got an unexpected keyword argument '%s'" % extra[0])
+            raise HTTPFailure(500, "TypeError: __init__() got an unexpected keyword argument '%s'%s" % (extra[0], where))
         return info
+
+    # Generation E's router checks the shape of a body before any worker
+    # sees it (400); what the workers' dataclasses refuse stays a 500.
+
+    @staticmethod
+    def router_present(body, name):
+        info = body.get(name)
+        if info is None:
+            raise HTTPFailure(400, "Missing '%s' in request body" % name)
+        return info
+
+    @staticmethod
+    def router_init_info(body):
+        info = HTTPWorker.router_present(body, "init_info")
+        if not isinstance(info, dict):
+            raise HTTPFailure(400, "'init_info' must be a JSON object, got %s" % type(info).__name__)
+        return info
+
+    @staticmethod
+    def router_update_info(body):
+        info = HTTPWorker.router_present(body, "update_info")
+        if not isinstance(info, dict) and not (isinstance(info, list) and all(isinstance(e, dict) for e in info)):
+            raise HTTPFailure(400, "'update_info' must be a JSON object or a list of JSON objects, got %s" % type(info).__name__)
+        return info
+
+    @staticmethod
+    def worker_update_info(info):
+        """E's worker side of update_info: an object, or a list with one
+        payload per inference worker (data_parallel_index * (TP*PP) + rank;
+        this server has one), each with the dataclass's strict keys."""
+        if isinstance(info, dict):
+            return HTTPWorker.strict_keys(info, UPDATE_KEYS)
+        if len(info) != 1:
+            raise HTTPFailure(500, "ValueError: update_info has %d entries but the server has 1 inference worker; send one entry per worker, or one object for all" % len(info))
+        return HTTPWorker.strict_keys(info[0], UPDATE_KEYS, " (update_info[0])")
 
     def drop_comm(self):
         if self.comm is not None:
@@ -435,8 +685,18 @@ class HTTPWorker:
     # -- weight transfer --
 
     def init_engine(self, body):
-        allowed = INIT_KEYS | (PACKED_KEYS if self.args.api == "D" else set())
-        info = self.info(body, "init_info", allowed)
+        """init_weight_transfer_engine. C and D: the TCPStore rendezvous
+        (master_address, master_port) and the pickled id, which must name
+        LEGACY_MODULE. E: either nccl_unique_id_b64 (the communicator is
+        built from those bytes, no TCPStore, no pickle) or the TCPStore,
+        whose pickle may name either module (unique_id_source)."""
+        gen_e = self.args.api == "E"
+        if gen_e:
+            info = self.strict_keys(self.router_init_info(body), INIT_KEYS | PACKED_KEYS | {UNIQUE_ID_KEY})
+            how, source = unique_id_source(info)  # before the old group goes, as vLLM validates first
+        else:
+            allowed = INIT_KEYS | (PACKED_KEYS if self.args.api == "D" else set())
+            info = self.info(body, "init_info", allowed)
         torch = self.torch
         # Waits for a running update_weights: when its trainer died, that
         # one fails within --update-deadline (sooner on the NCCL error).
@@ -446,14 +706,23 @@ class HTTPWorker:
             # left the old one without a peer, so it is aborted, not destroyed.
             self.drop_comm()
             world, rank = int(info["world_size"]), int(info["rank_offset"])
-            log("init: TCPStore %s:%s, rank %d of %d" % (info["master_address"], info["master_port"], rank, world))
+            if not gen_e:
+                how, source = "tcpstore", (info["master_address"], info["master_port"])
+            if how == "tcpstore":
+                log("init: TCPStore %s:%s, rank %d of %d" % (source[0], source[1], rank, world))
+            else:
+                log("init: %s (%d bytes, no TCPStore, no pickle), rank %d of %d" % (UNIQUE_ID_KEY, len(source), rank, world))
             t0 = time.perf_counter()
+            store, raw, module = None, None, None
             try:
-                store = self.dist.TCPStore(info["master_address"], int(info["master_port"]), world_size=world, is_master=False,
-                                           timeout=datetime.timedelta(seconds=self.args.store_timeout), use_libuv=False)
-                uid = pickle.loads(store.get("broadcast_from/0/0"))
-                if not isinstance(uid, self.shim.ncclUniqueId):
-                    raise RuntimeError("unpickled %r, not the shim's ncclUniqueId" % type(uid))
+                if how == "tcpstore":
+                    store = self.dist.TCPStore(source[0], int(source[1]), world_size=world, is_master=False,
+                                               timeout=datetime.timedelta(seconds=self.args.store_timeout), use_libuv=False)
+                    raw = store.get("broadcast_from/0/0")
+                    uid, module = unpickle_unique_id(raw, self.shim.ncclUniqueId)
+                    log("init: the %d-byte pickled unique id names %s" % (len(raw), module))
+                else:
+                    uid = self.shim.ncclUniqueId.from_buffer_copy(source)
                 comm = self.nccl.init_rank(world, uid, rank)
                 stream = torch.cuda.current_stream(self.dev)
                 warm = torch.zeros(1, dtype=torch.float32, device=self.dev)
@@ -466,9 +735,14 @@ class HTTPWorker:
             self.comm, self.store, self.init_info = comm, store, info
             secs = time.perf_counter() - t0
             with self.state:
-                self.inits.append({"at": time.time(), "master_port": int(info["master_port"]), "seconds": secs})
-                self.event("init port %s" % info["master_port"])
-            log("init: communicator ready (warm-up done) in %.2fs" % secs)
+                # rendezvous: how the id arrived (tcpstore or unique_id);
+                # pickle_module and pickle_bytes: what the TCPStore held.
+                self.inits.append({"at": time.time(), "master_port": int(source[1]) if how == "tcpstore" else None,
+                                   "seconds": secs, "rendezvous": how, "pickle_module": module,
+                                   "pickle_bytes": len(raw) if raw is not None else None, "rank": rank, "world_size": world})
+                self.event("init port %s" % source[1] if how == "tcpstore" else "init " + UNIQUE_ID_KEY)
+            log("init: communicator ready (warm-up done) in %.2fs, rendezvous %s%s" % (
+                secs, how, " (pickle of %d bytes naming %s)" % (len(raw), module) if raw is not None else ""))
         return {"message": "Weight transfer initialized"}
 
     def start(self, body):
@@ -484,7 +758,7 @@ class HTTPWorker:
     def finish(self, body):
         with self.lock:
             if not self.session:
-                raise HTTPFailure(500, "RuntimeError: no open weight update session")
+                raise HTTPFailure(500, E_NO_SESSION if self.args.api == "E" else "RuntimeError: no open weight update session")
             version = body.get("weight_version")
             with self.state:
                 self.session = False
@@ -497,71 +771,110 @@ class HTTPWorker:
                 self.event("finish %s" % (version or "-"))
         return {"message": "Weight update finished"}
 
+    def update_version(self, body):
+        """POST /update_weight_version (E here): what rlflow labels an E
+        server's weights with after the server closed a failed update's
+        session itself."""
+        v = body.get("new_version")
+        if not isinstance(v, str) or not v:
+            raise HTTPFailure(400, "'new_version' must be a non-empty string")
+        self.strict_keys(body, {"new_version"})
+        with self.lock:
+            with self.state:
+                self.version = v
+                self.event("update_weight_version %s" % v)
+        return {"message": "Weight version updated", "weight_version": v}
+
     def update(self, body):
+        if self.args.api == "E":
+            return self.update_e(body)
         allowed = UPDATE_KEYS | (PACKED_KEYS if self.args.api == "C" else set())
         info = self.info(body, "update_info", allowed)
-        torch = self.torch
         with self.lock:
-            torch.cuda.set_device(self.args.device)
-            if not self.session:
-                raise HTTPFailure(500, "RuntimeError: update_weights called without an open weight update session")
-            if self.comm is None:
-                raise HTTPFailure(500, "RuntimeError: weight transfer engine is not initialized")
-            if self.fail_next > 0:
-                self.fail_next -= 1
-                raise HTTPFailure(500, "RuntimeError: receiver: injected failure (POST /fail_next_update)")
-            src = self.init_info if self.args.api == "D" else info
-            packed = bool(src.get("packed", False))
-            threshold = int(src.get("packed_buffer_size_bytes") or (1 << 30))
-            names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
-            if not (len(names) == len(dtypes) == len(shapes)):
-                raise HTTPFailure(500, "ValueError: update_info lists differ in length")
-            unknown = sorted(set(d for d in dtypes if d not in (ITEMSIZE if packed else NCCL_DTYPES)))
-            if unknown:
-                # vLLM's from_torch raises for a non-packed dtype it does not map.
-                raise HTTPFailure(500, "ValueError: Unsupported dtype %s" % ", ".join(unknown))
-            sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
-            chunks = plan_chunks(sizes, packed, threshold)
-            with self.state:
-                self.calls += 1
-                n = self.calls
-                self.progress = {"update": n, "running": True, "chunks": len(chunks), "chunks_done": 0,
-                                 "bytes": sum(sizes), "bytes_done": 0}
-                self.event("update %d: receiving %d chunks" % (n, len(chunks)))
-            t0 = time.perf_counter()
+            return self.update_locked(info)
+
+    def update_e(self, body):
+        """Generation E's update_weights: the router's 400s leave the
+        session as it is; any failure past the router (a 500: bad keys, a
+        wrong list, no session, the injected failure, NCCL) closes the
+        session, as E's worker does, so a following finish_weight_update
+        answers E_NO_SESSION."""
+        raw = self.router_update_info(body)
+        with self.lock:
             try:
-                received, types = self.receive(names, dtypes, shapes, sizes, chunks, packed)
+                return self.update_locked(self.worker_update_info(raw))
             except Exception as e:
-                # The trainer died or aborted (NCCL error) or the deadline
-                # passed: abort the communicator, whose kernels then exit; the
-                # next init builds a new one. The session stays open, as in
-                # vLLM: the next trainer closes it.
-                self.drop_comm()
-                secs = time.perf_counter() - t0
                 with self.state:
-                    self.progress["running"] = False
-                    self.failures.append({"update": n, "at": time.time(), "seconds": secs,
-                                          "error": "%s: %s" % (type(e).__name__, e),
-                                          "chunks_done": self.progress["chunks_done"], "chunks": len(chunks)})
-                    self.event("update %d failed after %.2fs: %s" % (n, secs, e))
-                log("update %d failed after %.2fs: %s" % (n, secs, e))
+                    if self.session:
+                        self.session = False
+                        self.session_updates = []
+                        self.event("session closed by the worker: update_weights failed")
+                        log("update_weights failed (%s): the worker closed its update session" % e)
                 raise
+
+    def update_locked(self, info):
+        """The worker's update_weights (self.lock held)."""
+        torch = self.torch
+        torch.cuda.set_device(self.args.device)
+        if not self.session:
+            raise HTTPFailure(500, "RuntimeError: update_weights called without an open weight update session")
+        if self.comm is None:
+            raise HTTPFailure(500, "RuntimeError: weight transfer engine is not initialized")
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise HTTPFailure(500, "RuntimeError: receiver: injected failure (POST /fail_next_update)")
+        src = self.init_info if self.args.api in ("D", "E") else info
+        packed = bool(src.get("packed", False))
+        threshold = int(src.get("packed_buffer_size_bytes") or (1 << 30))
+        names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise HTTPFailure(500, "ValueError: update_info lists differ in length")
+        unknown = sorted(set(d for d in dtypes if d not in (ITEMSIZE if packed else NCCL_DTYPES)))
+        if unknown:
+            # vLLM's from_torch raises for a non-packed dtype it does not map.
+            raise HTTPFailure(500, "ValueError: Unsupported dtype %s" % ", ".join(unknown))
+        sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
+        chunks = plan_chunks(sizes, packed, threshold)
+        with self.state:
+            self.calls += 1
+            n = self.calls
+            self.progress = {"update": n, "running": True, "chunks": len(chunks), "chunks_done": 0,
+                             "bytes": sum(sizes), "bytes_done": 0}
+            self.event("update %d: receiving %d chunks" % (n, len(chunks)))
+        t0 = time.perf_counter()
+        try:
+            received, types = self.receive(names, dtypes, shapes, sizes, chunks, packed)
+        except Exception as e:
+            # The trainer died or aborted (NCCL error) or the deadline
+            # passed: abort the communicator, whose kernels then exit; the
+            # next init builds a new one. The session stays open on C and
+            # D: the next trainer closes it (E closes it, update_e).
+            self.drop_comm()
             secs = time.perf_counter() - t0
-            import hashlib
-            digests = {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
-            stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
-                     "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed,
-                     "vllm_unpack": bool(packed and self.args.vllm_unpack), "nccl_types": types}
             with self.state:
-                entry = {"update": n, "at": time.time(), "sha256": digests, "version": None,
-                         "paused": self.paused, "stats": stats}
-                self.history.append(entry)
-                self.session_updates.append(entry)
-                self.last, self.last_stats = digests, stats
-                self.updates += 1
                 self.progress["running"] = False
-                self.event("update %d: done, %d bytes in %.2fs" % (n, sum(sizes), secs))
-            log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (n, len(names), len(chunks), sum(sizes), secs))
+                self.failures.append({"update": n, "at": time.time(), "seconds": secs,
+                                      "error": "%s: %s" % (type(e).__name__, e),
+                                      "chunks_done": self.progress["chunks_done"], "chunks": len(chunks)})
+                self.event("update %d failed after %.2fs: %s" % (n, secs, e))
+            log("update %d failed after %.2fs: %s" % (n, secs, e))
+            raise
+        secs = time.perf_counter() - t0
+        import hashlib
+        digests = {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
+        stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
+                 "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed,
+                 "vllm_unpack": bool(packed and self.args.vllm_unpack), "nccl_types": types}
+        with self.state:
+            entry = {"update": n, "at": time.time(), "sha256": digests, "version": None,
+                     "paused": self.paused, "stats": stats}
+            self.history.append(entry)
+            self.session_updates.append(entry)
+            self.last, self.last_stats = digests, stats
+            self.updates += 1
+            self.progress["running"] = False
+            self.event("update %d: done, %d bytes in %.2fs" % (n, sum(sizes), secs))
+        log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (n, len(names), len(chunks), sum(sizes), secs))
         return {"message": "Weights updated"}
 
     def receive(self, names, dtypes, shapes, sizes, chunks, packed):
@@ -635,17 +948,14 @@ class HTTPWorker:
                 "calls": self.calls, "history": self.history, "failures": self.failures, "inits": self.inits,
                 "progress": self.progress, "session_open": self.session, "paused": self.paused,
                 "pause_calls": self.pause_calls, "resume_calls": self.resume_calls, "events": self.events,
+                "api": self.args.api,
             }))
 
 
-def serve_http(args):
-    import http.server
-    from urllib.parse import parse_qs, urlparse
-
-    wd = threading.Timer(args.deadline, lambda: (log("watchdog: %.0fs deadline passed, exiting" % args.deadline), os._exit(4)))
-    wd.daemon = True
-    wd.start()
-    worker = HTTPWorker(args)
+def routes(worker, api):
+    """The routes of --http for generation api: POST handlers taking the
+    body, POST handlers also taking the query, GET handlers. E adds GET
+    /version and POST /update_weight_version."""
     posts = {
         "/init_weight_transfer_engine": worker.init_engine,
         "/start_weight_update": worker.start,
@@ -666,6 +976,22 @@ def serve_http(args):
         "/is_paused": worker.is_paused,
         "/received": worker.report,
     }
+    if api in VERSIONS:
+        gets["/version"] = lambda: {"version": VERSIONS[api]}
+    if api == "E":
+        posts["/update_weight_version"] = worker.update_version
+    return posts, posts_query, gets
+
+
+def serve_http(args):
+    import http.server
+    from urllib.parse import parse_qs, urlparse
+
+    wd = threading.Timer(args.deadline, lambda: (log("watchdog: %.0fs deadline passed, exiting" % args.deadline), os._exit(4)))
+    wd.daemon = True
+    wd.start()
+    worker = HTTPWorker(args)
+    posts, posts_query, gets = routes(worker, args.api)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -706,7 +1032,12 @@ def serve_http(args):
                 self.reply(405 if path in gets else 404, {"detail": "Not Found"})
                 return
             try:
-                body = json.loads(raw) if raw.strip() else {}
+                try:
+                    body = json.loads(raw) if raw.strip() else {}
+                except ValueError as e:
+                    if args.api != "E":
+                        raise  # C, D: a 500, as before
+                    raise HTTPFailure(400, "JSON decode error: %s" % e)
                 if not isinstance(body, dict):
                     raise HTTPFailure(400, "body is not a JSON object")
                 if path in posts_query:
@@ -749,7 +1080,7 @@ def main():
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--http", type=int, default=0, metavar="PORT",
                     help="serve the vLLM-like HTTP routes on 127.0.0.1:PORT (see the module doc)")
-    ap.add_argument("--api", default="D", choices=["C", "D"], help="--http: the API generation to emulate")
+    ap.add_argument("--api", default="D", choices=["C", "D", "E"], help="--http: the API generation to emulate")
     ap.add_argument("--update-deadline", type=float, default=120.0,
                     help="--http: seconds one update_weights may take; past it (or on an NCCL error, e.g. the trainer died) it fails with a 500 and the communicator is aborted")
     ap.add_argument("--chunk-delay", type=float, default=0.0, metavar="SECONDS",
