@@ -7,7 +7,8 @@
 #      ceiling, end to end against torch, raw broadcast against torch.distributed);
 #   2. correctness (byte-exact W2/W3 packed and non-packed, F32->BF16, a peer
 #      that never joins, a killed receiver);
-#   3. the NCCL engine (transfer/ncclengine) through the transfer activities against vLLM-like HTTP receivers;
+#   3. the NCCL engine (transfer/ncclengine) through the transfer activities against vLLM-like HTTP receivers
+#      of API generations D and E (E: the unique id in init_info.nccl_unique_id_b64);
 #   4. what vLLM's receiver can take (issue 17): fp8 (float8_e4m3fn as NCCL
 #      type 10) non-packed byte-exact, a packed checkpoint with a 0-dim tensor
 #      refused before anything is sent, and torch's own view rules against
@@ -92,7 +93,7 @@ if [ -z "$ONLY_BENCH" ]; then
 	grep -E "^(---|    ---)" "$OUT/gpu-correctness.log"
 
 	cd "$R/transfer/ncclengine" || exit 2
-	timeout "${T_TRANSFER:-80}" /tmp/ncclengine.test -test.v -test.timeout 10m -test.run TestGPUTransferToHTTPReceivers > "$OUT/gpu-transfer.log" 2>&1
+	timeout "${T_TRANSFER:-240}" /tmp/ncclengine.test -test.v -test.timeout 10m -test.run '^(TestGPUTransferToHTTPReceivers|TestGPUTransferGenE)$' > "$OUT/gpu-transfer.log" 2>&1
 	step transfer $?
 	grep -E "^(---|    ---)" "$OUT/gpu-transfer.log"
 
