@@ -5,10 +5,17 @@ GO        ?= go
 TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
 TEMPORAL_CLI := github.com/temporalio/cli/cmd/temporal@v1.5.1
+# The real Temporal server the cluster tests and `make bench` run, and the
+# version docker-compose.yml's images must have (compose_test.go checks).
+# Its module needs Go 1.26.10 or later: the go command fetches the
+# toolchain below from the Go module proxy for this build only.
+TEMPORAL_SERVER_VERSION   := v1.32.2
+TEMPORAL_SERVER_TOOLCHAIN := go1.27.3
+TEMPORAL_SERVER := bin/temporal-server
 STATICCHECK   := bin/staticcheck
 WORKFLOWCHECK := bin/workflowcheck
 
-.PHONY: demo test lint build vet fuzz bench bench-generate compose-check clean gpu-carry
+.PHONY: demo test test-cluster lint build vet fuzz bench bench-generate compose-check clean gpu-carry
 
 build: $(RLFLOW)
 
@@ -27,6 +34,30 @@ demo: $(TEMPORAL) $(RLFLOW)
 
 test: $(TEMPORAL)
 	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -count=1 -timeout 30m ./...
+
+# The e2e suite on a real Temporal cluster (internal/testutil.StartCluster:
+# the server built below, a private PostgreSQL from Debian's postgresql
+# package, the shipped deploy/temporal/dynamicconfig.yaml): every test with
+# all services in one process, then the kill and outage tests with
+# frontend, history, matching and worker as four processes.
+CLUSTER_SPLIT_TESTS := ^(TestWorkerSIGKILLDuringStep|TestExecWorkerSIGKILLKillsFirstAttempt|TestExecSurvivesTemporalOutage|TestCluster.*)$$
+test-cluster: $(TEMPORAL) $(TEMPORAL_SERVER)
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -count=1 -run '^(TestCluster|TestShippedDynamicConfigIsValid)$$' ./internal/testutil/
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) RLFLOW_TEST_TEMPORAL=cluster $(GO) test -count=1 -timeout 40m ./e2e/
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) RLFLOW_TEST_TEMPORAL=cluster-split $(GO) test -count=1 -timeout 20m -run '$(CLUSTER_SPLIT_TESTS)' ./e2e/
+
+# The Temporal server and its SQL schema tool (go.temporal.io/server's
+# cmd/server and cmd/tools/sql), built from the Go module proxy once and
+# named as Temporal's images name them. Delete bin/temporal-server after
+# changing TEMPORAL_SERVER_VERSION.
+$(TEMPORAL_SERVER):
+	@echo "building the Temporal server $(TEMPORAL_SERVER_VERSION) and its SQL schema tool into ./bin: once, several minutes."
+	rm -rf bin/.temporal-server
+	GOTOOLCHAIN=$(TEMPORAL_SERVER_TOOLCHAIN) GOBIN=$(CURDIR)/bin/.temporal-server $(GO) install \
+		go.temporal.io/server/cmd/server@$(TEMPORAL_SERVER_VERSION) go.temporal.io/server/cmd/tools/sql@$(TEMPORAL_SERVER_VERSION)
+	mv bin/.temporal-server/sql bin/temporal-sql-tool
+	mv bin/.temporal-server/server $(TEMPORAL_SERVER)
+	rmdir bin/.temporal-server
 
 vet:
 	$(GO) vet ./...
@@ -50,9 +81,11 @@ lint: $(STATICCHECK) $(WORKFLOWCHECK)
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzLoad -fuzztime 2m ./pipelines/
 
-# Orchestration overhead on the dev server, against in-process baselines.
-bench: $(TEMPORAL)
-	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 20m ./bench/
+# Orchestration overhead on the dev server and on a real cluster
+# (PostgreSQL, the shipped dynamic config), each against in-process
+# baselines of the same run; the table goes to bench/RESULTS.md's readers.
+bench: $(TEMPORAL) $(TEMPORAL_SERVER)
+	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./bench/
 
 # The generate step against the vLLM double (50 ms per sequence, 256 slots):
 # 2,000 prompts vs one-at-a-time calls and vs an ideal Go client. No Temporal.
