@@ -6,9 +6,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math"
+	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -216,6 +219,37 @@ type server struct {
 	*double.Server
 	url string
 	rcv *receiver
+	rec *recorder // every request, when envConfig.record
+}
+
+// recorder keeps every request a server got as "METHOD /path?query body".
+type recorder struct {
+	mu   sync.Mutex
+	reqs []string
+}
+
+func (r *recorder) wrap(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		body, _ := io.ReadAll(req.Body)
+		req.Body = io.NopCloser(bytes.NewReader(body))
+		line := req.Method + " " + req.URL.Path
+		if req.URL.RawQuery != "" {
+			line += "?" + req.URL.RawQuery
+		}
+		if b := strings.TrimSpace(string(body)); b != "" {
+			line += " " + b
+		}
+		r.mu.Lock()
+		r.reqs = append(r.reqs, line)
+		r.mu.Unlock()
+		h.ServeHTTP(w, req)
+	})
+}
+
+func (r *recorder) lines() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.reqs...)
 }
 
 type env struct {
@@ -234,6 +268,7 @@ type envConfig struct {
 	wt         pipelines.WeightTransfer
 	faults     []double.Faults // per server, optional
 	monitor    gpuhealth.Monitor
+	record     bool // keep every request each server gets
 }
 
 func newEnv(t *testing.T, cfg envConfig) *env {
@@ -250,7 +285,13 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		if err != nil {
 			t.Fatal(err)
 		}
-		hs := httptest.NewServer(d.Handler())
+		var h http.Handler = d.Handler()
+		var rec *recorder
+		if cfg.record {
+			rec = &recorder{}
+			h = rec.wrap(h)
+		}
+		hs := httptest.NewServer(h)
 		t.Cleanup(func() {
 			hs.Close()
 			d.Close()
@@ -260,7 +301,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.servers = append(e.servers, &server{Server: d, url: hs.URL, rcv: r})
+		e.servers = append(e.servers, &server{Server: d, url: hs.URL, rcv: r, rec: rec})
 		e.target.Fleet = append(e.target.Fleet, c)
 		e.target.Pins = append(e.target.Pins, vllm.Generation(cfg.gen))
 	}
@@ -838,5 +879,75 @@ func TestRendezvousSetting(t *testing.T) {
 	}
 	if n := c.requests(0, "POST /init_weight_transfer_engine"); n != 0 {
 		t.Fatalf("%d init calls reached the server", n)
+	}
+}
+
+// TestNCCLRequestSequences pins, per API generation and packing, the exact
+// requests and bodies of an init and one broadcast: where the packed
+// settings go (update_info on A-C, init_info on D and E), how the unique id
+// travels (TCPStore on A-D, nccl_unique_id_b64 on E), sessions and
+// versions (C-E), A's own route names.
+func TestNCCLRequestSequences(t *testing.T) {
+	const (
+		worldSize = "GET /get_world_size?include_dp=true"
+		start     = "POST /start_weight_update {}"
+		finish    = `POST /finish_weight_update {"weight_version":"run-1/iter-1"}`
+		tcpInit   = `{"init_info":{"master_address":"127.0.0.1","master_port":PORT,"rank_offset":1,"world_size":2`
+		b64Init   = `{"init_info":{"rank_offset":1,"world_size":2`
+		meta      = `"names":["bigram.logits","extra.one","extra.3x5x7"],"dtype_names":["float32","int64","bfloat16"],"shapes":[[128,128],[1],[3,5,7]]`
+		packedD   = `,"packed":true,"packed_buffer_size_bytes":4096,"packed_num_buffers":2`
+	)
+	tests := []struct {
+		gen    double.Generation
+		packed bool
+		want   []string
+	}{
+		{double.GenB, false, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
+			`POST /update_weights {"update_info":{` + meta + `}}`}},
+		{double.GenB, true, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
+			`POST /update_weights {"update_info":{` + meta + packedD + `}}`}},
+		{double.GenC, true, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
+			start, `POST /update_weights {"update_info":{` + meta + packedD + `}}`, finish}},
+		{double.GenD, false, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
+			start, `POST /update_weights {"update_info":{` + meta + `}}`, finish}},
+		{double.GenD, true, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + packedD + "}}",
+			start, `POST /update_weights {"update_info":{` + meta + `}}`, finish}},
+		{double.GenE, false, []string{worldSize, "POST /init_weight_transfer_engine " + b64Init + `,"nccl_unique_id_b64":"ID"}}`,
+			start, `POST /update_weights {"update_info":{` + meta + `}}`, finish}},
+		{double.GenE, true, []string{worldSize, "POST /init_weight_transfer_engine " + b64Init + packedD + `,"nccl_unique_id_b64":"ID"}}`,
+			start, `POST /update_weights {"update_info":{` + meta + `}}`, finish}},
+	}
+	port := regexp.MustCompile(`"master_port":\d+`)
+	id := regexp.MustCompile(`"nccl_unique_id_b64":"[A-Za-z0-9+/=]+"`)
+	for _, tc := range tests {
+		t.Run(fmt.Sprintf("%s/packed=%v", tc.gen, tc.packed), func(t *testing.T) {
+			wt := pipelines.WeightTransfer{Packed: tc.packed}
+			if tc.packed {
+				wt.BufferBytes, wt.NumBuffers = 4096, 2
+			}
+			e := newEnv(t, envConfig{gen: tc.gen, worldSizes: []int{1}, wt: wt, record: true})
+			ctx := e.ctx()
+			if _, err := e.init(ctx, nil); err != nil {
+				t.Fatal(err)
+			}
+			ckpt := filepath.Join(t.TempDir(), "small.safetensors")
+			if err := safetensors.Write(ckpt, []safetensors.WriteTensor{
+				{Name: bigram.TensorName, DType: safetensors.F32, Shape: []int64{bigram.Vocab, bigram.Vocab}, Data: make([]byte, 4*bigram.Vocab*bigram.Vocab)},
+				{Name: "extra.one", DType: safetensors.I64, Shape: []int64{1}, Data: make([]byte, 8)},
+				{Name: "extra.3x5x7", DType: safetensors.BF16, Shape: []int64{3, 5, 7}, Data: make([]byte, 210)},
+			}, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := e.broadcast(ctx, ckpt, 1, nil); err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, l := range e.servers[0].rec.lines() {
+				got = append(got, id.ReplaceAllString(port.ReplaceAllString(l, `"master_port":PORT`), `"nccl_unique_id_b64":"ID"`))
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("requests:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(tc.want, "\n"))
+			}
+		})
 	}
 }
