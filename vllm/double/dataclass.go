@@ -178,7 +178,7 @@ var (
 )
 
 func ncclInitInfo(g Generation) dataclass {
-	d := dataclass{"NCCLWeightTransferInitInfo", []field{
+	d := dataclass{ncclClassPrefix(g) + "InitInfo", []field{
 		{"master_address", kStr, true},
 		{"master_port", kInt, true},
 		{"rank_offset", kInt, true},
@@ -195,17 +195,30 @@ func ncclInitInfo(g Generation) dataclass {
 }
 
 func ncclUpdateInfo(g Generation) dataclass {
-	d := dataclass{"NCCLWeightTransferUpdateInfo", []field{
+	d := dataclass{ncclClassPrefix(g) + "UpdateInfo", []field{
 		{"names", kStrList, true},
 		{"dtype_names", kStrList, true},
 		{"shapes", kShapes, true},
 	}}
-	if !g.packedInInit() {
+	switch {
+	case g.packedSizeFromGPU(): // A: packed only, the size is the worker's
+		d.fields = append(d.fields, packedFields[0])
+	case !g.packedInInit():
 		d.fields = append(d.fields, packedFields...)
 	}
 	return d
 }
 
+// ncclClassPrefix names the NCCL payload classes as vLLM does: A's
+// nccl_engine called them NCCLInitInfo and NCCLUpdateInfo.
+func ncclClassPrefix(g Generation) string {
+	if g == GenA {
+		return "NCCL"
+	}
+	return "NCCLWeightTransfer"
+}
+
+// packedFields: packed first (A takes only that one).
 var packedFields = []field{
 	{"packed", kBool, false},
 	{"packed_buffer_size_bytes", kInt, false},

@@ -1,6 +1,6 @@
 // Package double is a TEST AND DEMO DOUBLE of a vLLM server: it speaks the
 // HTTP contract of `vllm serve` with VLLM_SERVER_DEV_MODE=1 (the RLHF
-// weight-transfer routes of API generations B, C, D and E, pause/resume,
+// weight-transfer routes of API generations A, B, C, D and E, pause/resume,
 // the checkpoint reload through /collective_rpc, /server_info, the OpenAI
 // completions and chat API), with vLLM's status codes and payload
 // validation, so that rlflow can be tested and demonstrated on machines
@@ -13,26 +13,41 @@
 //   - Only the routes of the configured generation exist (others are 404,
 //     a wrong method on an existing route is 405, as in FastAPI); without
 //     DevMode every RLHF route, /collective_rpc and /server_info are 404.
+//   - A (vLLM's early-2026 API) serves /init_weight_transfer, /update_weights
+//     and /finalize_weight_update instead of /init_weight_transfer_engine,
+//     and has no sessions, versions or checker routes. Its finalize may
+//     come at any time; vLLM reads no body there, the double takes none or
+//     {} (anything else is a 400, to catch client bugs). Its /pause
+//     declares only wait_for_inflight_requests and clear_cache, so a mode
+//     query is ignored there (FastAPI drops undeclared parameters): a pause
+//     without wait_for_inflight_requests=true aborts.
 //   - Weight-transfer bodies: bad JSON or a missing init_info/update_info
-//     is a 400 on every generation. On B-D a non-object body or info is a
+//     is a 400 on every generation. On A-D a non-object body or info is a
 //     500 (Python fails on it inside the handler or the worker); E's router
 //     validates shapes first, so there they are 400. An unknown key inside
 //     a payload is a 500 like the TypeError vLLM's dataclasses raise, on
-//     every generation; so is every error raised in a worker.
+//     every generation (on A: packed_buffer_size_bytes and
+//     packed_num_buffers too); so is every error raised in a worker.
 //   - C/D/E session rules hold: update_weights needs an open session, a
 //     second start while one is open fails, finish needs an open session,
 //     and the disk backend takes exactly one checkpoint per session. On E
 //     a failed update_weights (any 500) closes the session; on C/D the
-//     session stays open.
+//     session stays open. A and B have no sessions: one update_weights is
+//     a whole update.
 //   - E takes update_info as a list with one payload per inference worker
 //     (WorldSize x DataParallel); the double has one model, so the entries
 //     must be equal (a double limitation, answered 500).
-//   - The disk backend (the draft of vLLM pull request #52152, not stock)
-//     and /collective_rpc reload_weights really load the checkpoint; the
-//     NCCL backend really performs a worker's TCPStore rendezvous with the
-//     trainer, but has no NCCL data plane unless Config.NCCLReceiver
-//     supplies one. The pickled NCCL id may name the vllm.backends module
-//     only on E.
+//   - The disk backend (the draft of vLLM pull request #52152, not stock;
+//     C, D and E only) and /collective_rpc reload_weights really load the
+//     checkpoint; the NCCL backend really performs a worker's TCPStore
+//     rendezvous with the trainer, but has no NCCL data plane unless
+//     Config.NCCLReceiver supplies one. The pickled NCCL id may name the
+//     vllm.backends module only on E.
+//   - NCCL metadata: a non-packed update takes only the dtypes vLLM's
+//     ncclDataTypeEnum.from_torch maps (float8_e4m3fn included, as NCCL
+//     type 10); a packed one carries every torch dtype the double can size
+//     as bytes. The packed chunk size is update_info's or init_info's (B-E,
+//     default 1 GiB) or, on A, min(2% of Config.GPUMemoryBytes, 5 GiB).
 //   - reload_weights bypasses the weight-transfer session and the version;
 //     while the workers' load format is dummy it redraws the dummy weights
 //     instead of loading the checkpoint, and still answers 200.
@@ -43,7 +58,8 @@
 //   - OpenAI bodies: unknown fields are ignored, as vLLM ignores them;
 //     known fields keep their types and ranges (400 naming the field).
 //   - /metrics exports the weight-update duration histogram and the
-//     in-flight gauge for init, start, update and finish (not reloads).
+//     in-flight gauge for init, start, update and finish (not reloads, not
+//     A's finalize).
 //   - Everything is bounded: request bodies, prompts per request, samples,
 //     tokens, rendezvous time; no input makes it panic.
 package double
@@ -68,6 +84,11 @@ import (
 type Generation string
 
 const (
+	// GenA is vLLM's early-2026 API: /init_weight_transfer, one
+	// /update_weights per update (update_info.packed, no buffer settings:
+	// the chunk size comes from GPU memory), /finalize_weight_update; no
+	// sessions, versions or disk backend.
+	GenA Generation = "A"
 	GenB Generation = "B"
 	GenC Generation = "C"
 	GenD Generation = "D"
@@ -77,6 +98,29 @@ const (
 	// update closes, the vllm.backends module layout.
 	GenE Generation = "E"
 )
+
+// hasSessions: C, D and E have update sessions (start/finish), weight
+// versions, abort_requests and the weight checker; A and B do not.
+func (g Generation) hasSessions() bool { return g == GenC || g == GenD || g == GenE }
+
+// hasDiskBackend: the draft disk backend exists from C on.
+func (g Generation) hasDiskBackend() bool { return g.hasSessions() }
+
+// initPath is the init route: A named it /init_weight_transfer.
+func (g Generation) initPath() string {
+	if g == GenA {
+		return "/init_weight_transfer"
+	}
+	return "/init_weight_transfer_engine"
+}
+
+// packedSizeFromGPU: A takes no packed buffer settings; its chunk size
+// derives from the GPU's memory (packedChunkFromGPU).
+func (g Generation) packedSizeFromGPU() bool { return g == GenA }
+
+// pauseHasMode: A's /pause declares only wait_for_inflight_requests and
+// clear_cache; mode came later.
+func (g Generation) pauseHasMode() bool { return g != GenA }
 
 // packedInInit: the packed settings (and nccl_unique_id_b64) are init_info
 // fields from D on; before, packed settings are update_info fields.
@@ -112,17 +156,21 @@ const (
 	DefaultMaxModelLen       = 2048
 	DefaultRendezvousTimeout = 300 * time.Second // vLLM's StatelessProcessGroup timeout
 	DefaultMaxBodyBytes      = 64 << 20
+	// DefaultGPUMemoryBytes plays an 80 GiB GPU (A100/H100 80GB) for A's
+	// packed chunk size.
+	DefaultGPUMemoryBytes = 80 << 30
 )
 
 // Config configures a Server. The zero value is a generation D disk-backend
 // server with the RLHF routes off (DevMode false), as `vllm serve` is
 // without VLLM_SERVER_DEV_MODE=1.
 type Config struct {
-	Generation Generation // B, C, D or E; "" means D
+	Generation Generation // A, B, C, D or E; "" means D
 	// Backend is "disk" or "nccl". "" means disk on C and D (the double's
-	// long-standing default) and nccl on B (which has no disk backend) and
-	// on E (stock vLLM has no disk backend: it exists only in the unmerged
-	// vLLM pull request #52152; stock reloads go through /collective_rpc).
+	// long-standing default) and nccl on A and B (which have no disk
+	// backend) and on E (stock vLLM has no disk backend: it exists only in
+	// the unmerged vLLM pull request #52152; stock reloads go through
+	// /collective_rpc).
 	Backend string
 	DevMode bool // false: every RLHF route answers 404
 
@@ -164,6 +212,12 @@ type Config struct {
 	// update_weights calls receive tensors through it; without it they are
 	// validated and then refused with 500 "double: no NCCL data plane".
 	NCCLReceiver NCCLReceiver
+	// GPUMemoryBytes is the total memory of the GPU each emulated worker
+	// plays; default DefaultGPUMemoryBytes. Only generation A reads it:
+	// its packed chunk size is min(2% of it, 5 GiB), vLLM's rule then, so
+	// it matters only for packed updates that reach NCCLReceiver (the
+	// NCCLUpdate.PackedBufferSizeBytes the receiver must chunk by).
+	GPUMemoryBytes int64
 
 	MaxBodyBytes int64 // request body limit; default DefaultMaxBodyBytes
 }
@@ -288,21 +342,21 @@ func (c Config) withDefaults() (Config, error) {
 		c.Generation = GenD
 	}
 	switch c.Generation {
-	case GenB, GenC, GenD, GenE:
+	case GenA, GenB, GenC, GenD, GenE:
 	default:
-		return c, fmt.Errorf("double: generation %q, want B, C, D or E", c.Generation)
+		return c, fmt.Errorf("double: generation %q, want A, B, C, D or E", c.Generation)
 	}
 	if c.Backend == "" {
 		c.Backend = BackendDisk
-		if c.Generation == GenB || c.Generation == GenE {
+		if !c.Generation.hasDiskBackend() || c.Generation == GenE {
 			c.Backend = BackendNCCL
 		}
 	}
 	switch c.Backend {
 	case BackendNCCL:
 	case BackendDisk:
-		if c.Generation == GenB {
-			return c, errors.New("double: the disk backend needs generation C, D or E")
+		if !c.Generation.hasDiskBackend() {
+			return c, fmt.Errorf("double: the disk backend needs generation C, D or E, not %s", c.Generation)
 		}
 	default:
 		return c, fmt.Errorf("double: backend %q, want disk or nccl", c.Backend)
@@ -344,6 +398,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.RendezvousTimeout < 0 {
 		return c, errors.New("double: rendezvous timeout must not be negative")
 	}
+	if c.GPUMemoryBytes == 0 {
+		c.GPUMemoryBytes = DefaultGPUMemoryBytes
+	}
+	if c.GPUMemoryBytes < 0 {
+		return c, errors.New("double: GPU memory bytes must not be negative")
+	}
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = DefaultMaxBodyBytes
 	}
@@ -366,9 +426,12 @@ func (c Config) withDefaults() (Config, error) {
 // versionFor gives each generation a plausible vLLM version for GET
 // /version, the one place the double keeps them. The D boundary is from
 // the spec (D is vLLM 0.28+); E's 0.30.0 is where rlflow's client (package
-// vllm, firstGenE) starts treating a server as E; B and C are illustrative.
+// vllm, firstGenE) starts treating a server as E; A, B and C are
+// illustrative (the client tells A and B by their routes, not by version).
 func versionFor(g Generation) string {
 	switch g {
+	case GenA:
+		return "0.25.0"
 	case GenB:
 		return "0.26.0"
 	case GenC:

@@ -67,9 +67,10 @@ func (s *testServer) ok(method, path, body string) string {
 
 func TestConfigValidation(t *testing.T) {
 	for name, cfg := range map[string]double.Config{
-		"generation A": {Generation: "A"},
 		"generation F": {Generation: "F"},
+		"disk on A":    {Generation: double.GenA, Backend: double.BackendDisk},
 		"disk on B":    {Generation: double.GenB, Backend: double.BackendDisk},
+		"GPU memory":   {GPUMemoryBytes: -1},
 		"load format":  {LoadFormat: "safetensors"},
 		"backend":      {Backend: "rdma"},
 		"fault rate":   {Faults: double.Faults{ErrorRate: map[string]float64{"*": 2}}},
@@ -98,10 +99,14 @@ func TestRoutesPerGeneration(t *testing.T) {
 		"POST /collective_rpc", "GET /server_info"}
 	sessions := []string{"GET /weight_info", "POST /abort_requests", "POST /finish_weight_update", "POST /start_weight_update", "POST /update_weight_version"}
 	checker := []string{"POST /weight_checker"}
+	devA := []string{"GET /get_world_size", "GET /is_paused", "POST /init_weight_transfer", "POST /pause", "POST /resume", "POST /update_weights",
+		"POST /finalize_weight_update", "POST /collective_rpc", "GET /server_info"}
 	cases := []struct {
 		cfg  double.Config
 		want [][]string
 	}{
+		{double.Config{Generation: double.GenA}, [][]string{common}},
+		{double.Config{Generation: double.GenA, DevMode: true}, [][]string{common, devA}},
 		{double.Config{Generation: double.GenC}, [][]string{common}},
 		{double.Config{Generation: double.GenE}, [][]string{common}},
 		{double.Config{Generation: double.GenB, DevMode: true}, [][]string{common, dev}},
@@ -707,6 +712,7 @@ func TestNoInputPanics(t *testing.T) {
 		`{"method":"reload_weights","kwargs":{"weights_path":null,"is_checkpoint_format":null}}`, `{"method":"","args":null,"kwargs":null,"timeout":null}`,
 		`{"method":"update_config","args":[{"load_config":{"load_format":"dummy"}}]}`, `{"method":"reload_weights","timeout":1e999}`}
 	for _, cfg := range []double.Config{
+		{Generation: double.GenA, DevMode: true, RendezvousTimeout: 10 * time.Millisecond},
 		{Generation: double.GenB, DevMode: true},
 		{Generation: double.GenC, DevMode: true, Backend: double.BackendNCCL, RendezvousTimeout: 10 * time.Millisecond},
 		{Generation: double.GenD, DevMode: true},

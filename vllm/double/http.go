@@ -36,18 +36,22 @@ func (s *Server) buildRoutes() map[string]*route {
 	if !s.cfg.DevMode {
 		return rt
 	}
+	gen := s.cfg.Generation
 	dev := map[string]*route{
-		"/pause":                       {http.MethodPost, s.pause},
-		"/resume":                      {http.MethodPost, s.resume},
-		"/is_paused":                   {http.MethodGet, s.isPaused},
-		"/get_world_size":              {http.MethodGet, s.worldSize},
-		"/init_weight_transfer_engine": {http.MethodPost, s.timed("init", s.initTransfer)},
-		"/update_weights":              {http.MethodPost, s.timed("update", s.updateWeights)},
+		"/pause":          {http.MethodPost, s.pause},
+		"/resume":         {http.MethodPost, s.resume},
+		"/is_paused":      {http.MethodGet, s.isPaused},
+		"/get_world_size": {http.MethodGet, s.worldSize},
+		gen.initPath():    {http.MethodPost, s.timed("init", s.initTransfer)},
+		"/update_weights": {http.MethodPost, s.timed("update", s.updateWeights)},
 		// Stock vLLM's dev-mode routes, on every generation and backend.
 		"/collective_rpc": {http.MethodPost, s.collectiveRPC},
 		"/server_info":    {http.MethodGet, s.serverInfo},
 	}
-	if s.cfg.Generation != GenB {
+	if gen == GenA {
+		dev["/finalize_weight_update"] = &route{http.MethodPost, s.finalizeUpdate}
+	}
+	if gen.hasSessions() {
 		dev["/start_weight_update"] = &route{http.MethodPost, s.timed("start", s.startUpdate)}
 		dev["/finish_weight_update"] = &route{http.MethodPost, s.timed("finish", s.finishUpdate)}
 		dev["/update_weight_version"] = &route{http.MethodPost, s.updateVersion}

@@ -3,10 +3,12 @@ package double
 import (
 	"context"
 	"encoding/json"
-
 	"math"
 	"math/bits"
+	"sort"
+	"strings"
 
+	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
@@ -16,15 +18,16 @@ import (
 // validation); a receiver, e.g. one built on rlflow's nccl package in a GPU
 // test, joins the communicator and receives the broadcasts.
 //
-// Init is called once per successful init_weight_transfer_engine, after the
-// rendezvous, and must take part in the group's ncclCommInitRank and warm-up
-// all-reduce for the ranks given. Receive is called once per valid
-// update_weights and must receive every tensor, in order, exactly as the
-// spec's data-plane layout describes (packed or not); it returns the
-// tensors, which the double then loads (only "bigram.logits", F32
-// [128,128], is a weight it knows; any other name fails the update after
-// the bytes were received, as vLLM's load_weights would). Both must honour
-// ctx: it ends when the HTTP request does.
+// Init is called once per successful init_weight_transfer_engine (on A:
+// init_weight_transfer), after the rendezvous, and must take part in the
+// group's ncclCommInitRank and warm-up all-reduce for the ranks given.
+// Receive is called once per valid update_weights and must receive every
+// tensor, in order, exactly as the spec's data-plane layout describes
+// (packed or not); it returns the tensors, which the double then loads
+// (only "bigram.logits", F32 [128,128], is a weight it knows; any other
+// name fails the update after the bytes were received, as vLLM's
+// load_weights would). Both must honour ctx: it ends when the HTTP
+// request does.
 type NCCLReceiver interface {
 	Init(ctx context.Context, init NCCLInit) error
 	Receive(ctx context.Context, update NCCLUpdate) ([]Tensor, error)
@@ -43,8 +46,11 @@ type NCCLInit struct {
 	PackedNumBuffers      int
 }
 
-// NCCLUpdate is one update_weights' metadata, packed settings resolved
-// (from init_info on D, update_info on B/C, vLLM's defaults otherwise).
+// NCCLUpdate is one update_weights' metadata, packed settings resolved:
+// from init_info on D and E, update_info on B and C, vLLM's defaults (1 GiB,
+// 2 buffers) for what they leave out; on A, whose update_info has only
+// packed, the chunk size is min(2% of Config.GPUMemoryBytes, 5 GiB) and
+// the buffers 2, as A's packed consumer derived them.
 type NCCLUpdate struct {
 	Names                 []string
 	DTypeNames            []string
@@ -53,6 +59,10 @@ type NCCLUpdate struct {
 	Packed                bool
 	PackedBufferSizeBytes int64
 	PackedNumBuffers      int
+	// NCCLDataTypes is, when not Packed, the ncclDataType_t vLLM's worker
+	// receives each tensor's broadcast with (ncclDataTypes); nil when
+	// Packed, where every chunk is one ncclUint8 broadcast.
+	NCCLDataTypes []nccl.DataType
 }
 
 // Tensor is one received tensor.
@@ -63,14 +73,42 @@ type Tensor struct {
 	Data  []byte
 }
 
-// ncclDTypes are the torch dtypes that map to an ncclDataType_t (spec
-// section 3); vLLM cannot broadcast any other.
-var ncclDTypes = map[string]bool{
-	"int8": true, "uint8": true, "int32": true, "uint32": true, "int64": true, "uint64": true,
-	"float16": true, "float32": true, "float64": true, "bfloat16": true,
+// ncclDataTypes is vLLM's ncclDataTypeEnum.from_torch: the torch dtypes a
+// worker receives in a non-packed broadcast, each with its ncclDataType_t
+// (spec sections 3 and 8: float8_e4m3fn is NCCL type 10). vLLM raises on
+// every other dtype, uint32, uint64 and float8_e5m2 included although NCCL
+// has types for them; packed updates carry any dtype as bytes.
+var ncclDataTypes = map[string]nccl.DataType{
+	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
+	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
+	"float8_e4m3fn": nccl.Float8e4m3,
 }
 
-// ncclMetadata validates update_info's NCCL metadata.
+// nonPackedDTypes lists ncclDataTypes' keys for error messages.
+var nonPackedDTypes = func() string {
+	names := make([]string, 0, len(ncclDataTypes))
+	for n := range ncclDataTypes {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return strings.Join(names, ", ")
+}()
+
+// A's packed chunk size: min(int(total GPU memory * 0.02), 5 GiB), the
+// rule of its packed_tensor module (it took no packed_buffer_size_bytes).
+const (
+	packedGPUMemoryRatio = 0.02
+	packedChunkCap       = 5 << 30
+)
+
+// packedChunkFromGPU is A's packed chunk size for a GPU of mem bytes.
+func packedChunkFromGPU(mem int64) int64 {
+	return min(int64(float64(mem)*packedGPUMemoryRatio), packedChunkCap)
+}
+
+// ncclMetadata validates update_info's NCCL metadata: non-packed tensors
+// need a dtype vLLM maps to an NCCL type; packed ones any dtype the double
+// can size (they travel as bytes).
 func (s *Server) ncclMetadata(info map[string]json.RawMessage, init *NCCLInit) (NCCLUpdate, error) {
 	names, _ := get[[]string](info, "names")
 	dtypes, _ := get[[]string](info, "dtype_names")
@@ -80,15 +118,29 @@ func (s *Server) ncclMetadata(info map[string]json.RawMessage, init *NCCLInit) (
 			len(names), len(dtypes), len(shapes))
 	}
 	u := NCCLUpdate{Names: names, DTypeNames: dtypes, Shapes: shapes, Bytes: make([]int64, len(names))}
+	if err := s.packedSettings(&u, info, init); err != nil {
+		return NCCLUpdate{}, err
+	}
+	if !u.Packed {
+		u.NCCLDataTypes = make([]nccl.DataType, len(names))
+	}
 	seen := make(map[string]bool, len(names))
 	for i, name := range names {
 		if seen[name] {
 			return NCCLUpdate{}, workerError("ValueError: update_info.names repeats %q", name)
 		}
 		seen[name] = true
+		nt, mapped := ncclDataTypes[dtypes[i]]
 		dt, err := safetensors.DTypeFromTorch(dtypes[i])
-		if err != nil || !ncclDTypes[dtypes[i]] {
-			return NCCLUpdate{}, workerError("ValueError: tensor %q: dtype %q has no NCCL data type", name, dtypes[i])
+		switch {
+		case !u.Packed && !mapped:
+			return NCCLUpdate{}, workerError("ValueError: tensor %q: dtype %q has no NCCL data type in a non-packed broadcast (vLLM maps only %s; a packed update carries any dtype as bytes)",
+				name, dtypes[i], nonPackedDTypes)
+		case err != nil:
+			return NCCLUpdate{}, workerError("ValueError: tensor %q: dtype %q is not a torch dtype the vLLM double knows the item size of", name, dtypes[i])
+		}
+		if !u.Packed {
+			u.NCCLDataTypes[i] = nt
 		}
 		n, ok := tensorBytes(shapes[i], int64(dt.ItemSize()))
 		if !ok {
@@ -96,15 +148,27 @@ func (s *Server) ncclMetadata(info map[string]json.RawMessage, init *NCCLInit) (
 		}
 		u.Bytes[i] = n
 	}
-	if s.cfg.Generation.packedInInit() {
+	return u, nil
+}
+
+// packedSettings resolves u's packed settings for the server's generation.
+func (s *Server) packedSettings(u *NCCLUpdate, info map[string]json.RawMessage, init *NCCLInit) error {
+	g := s.cfg.Generation
+	switch {
+	case g.packedInInit():
 		u.Packed, u.PackedBufferSizeBytes, u.PackedNumBuffers = init.Packed, init.PackedBufferSizeBytes, init.PackedNumBuffers
-	} else {
+	case g.packedSizeFromGPU():
+		if u.Packed, _ = get[bool](info, "packed"); u.Packed {
+			u.PackedBufferSizeBytes, u.PackedNumBuffers = packedChunkFromGPU(s.cfg.GPUMemoryBytes), defaultPackedNumBuffers
+		}
+		return nil
+	default:
 		u.Packed, _ = get[bool](info, "packed")
 		u.PackedBufferSizeBytes, _ = get[int64](info, "packed_buffer_size_bytes")
 		u.PackedNumBuffers, _ = get[int](info, "packed_num_buffers")
 	}
 	if u.PackedBufferSizeBytes < 0 || u.PackedNumBuffers < 0 {
-		return NCCLUpdate{}, workerError("ValueError: packed_buffer_size_bytes and packed_num_buffers must be positive")
+		return workerError("ValueError: packed_buffer_size_bytes and packed_num_buffers must be positive")
 	}
 	if u.Packed {
 		if u.PackedBufferSizeBytes == 0 {
@@ -114,7 +178,7 @@ func (s *Server) ncclMetadata(info map[string]json.RawMessage, init *NCCLInit) (
 			u.PackedNumBuffers = defaultPackedNumBuffers
 		}
 	}
-	return u, nil
+	return nil
 }
 
 // tensorBytes is prod(shape) × item with overflow checks (prod([]) = 1).
@@ -140,7 +204,7 @@ func (s *Server) receiveNCCL(ctx context.Context, info map[string]json.RawMessag
 	init := s.wstate.init
 	s.mu.Unlock()
 	if init == nil {
-		return nil, workerError("RuntimeError: weight transfer engine is not initialized; call init_weight_transfer_engine first")
+		return nil, workerError("RuntimeError: weight transfer engine is not initialized; call %s first", strings.TrimPrefix(s.cfg.Generation.initPath(), "/"))
 	}
 	u, err := s.ncclMetadata(info, init)
 	if err != nil {

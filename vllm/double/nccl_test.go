@@ -5,15 +5,20 @@ import (
 	"context"
 	"net"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/ncclid"
+	"github.com/rlflow/rlflow/nccl/plan"
 	"github.com/rlflow/rlflow/nccl/tcpstore"
+	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm/double"
+	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 
 // trainerStore is rank 0's TCPStore, as the trainer hosts it.
@@ -145,5 +150,122 @@ func TestNCCLRendezvousFailures(t *testing.T) {
 		status, out := d.call("POST", "/init_weight_transfer_engine", body)
 		assert.Equal(t, 500, status, body)
 		assert.Contains(t, out, want, body)
+	}
+}
+
+// fakeDataPlane is a TEST DOUBLE of the NCCL data plane (Config.NCCLReceiver):
+// it records what the double hands it and "receives" model's logits; every
+// other tensor of an update is skipped, as a receiver that loads only the
+// bigram table would.
+type fakeDataPlane struct {
+	mu      sync.Mutex
+	inits   []double.NCCLInit
+	updates []double.NCCLUpdate
+	model   *bigram.Model
+}
+
+func (f *fakeDataPlane) Init(_ context.Context, in double.NCCLInit) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.inits = append(f.inits, in)
+	return nil
+}
+
+func (f *fakeDataPlane) Receive(_ context.Context, u double.NCCLUpdate) ([]double.Tensor, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.updates = append(f.updates, u)
+	return []double.Tensor{{Name: bigram.TensorName, DType: "float32", Shape: []int64{128, 128}, Data: f.model.Bytes()}}, nil
+}
+
+func (f *fakeDataPlane) lastUpdate(t *testing.T) double.NCCLUpdate {
+	t.Helper()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	require.NotEmpty(t, f.updates, "the data plane received no update")
+	return f.updates[len(f.updates)-1]
+}
+
+// fp8 (spec section 8): vLLM broadcasts float8_e4m3fn as NCCL type 10 when
+// not packed and refuses the other fp8 dtypes (and uint32, uint64, bool)
+// there; a packed update carries every dtype as bytes.
+func TestNCCLDTypesPackedAndNot(t *testing.T) {
+	const noType = "has no NCCL data type in a non-packed broadcast"
+	rows := []struct {
+		dtype    string
+		packed   bool
+		err      string // "" means accepted
+		ncclType nccl.DataType
+	}{
+		{"float8_e4m3fn", false, "", nccl.Float8e4m3},
+		{"bfloat16", false, "", nccl.Bfloat16},
+		{"float8_e5m2", false, noType, 0},
+		{"float8_e8m0fnu", false, noType, 0},
+		{"uint32", false, noType, 0},
+		{"uint64", false, noType, 0},
+		{"bool", false, noType, 0},
+		{"float8_e4m3fn", true, "", 0},
+		{"float8_e5m2", true, "", 0},
+		{"float8_e8m0fnu", true, "", 0},
+		{"uint32", true, "", 0},
+		{"bool", true, "", 0},
+		{"complex64", true, `dtype "complex64" is not a torch dtype the vLLM double knows the item size of`, 0},
+	}
+	servers := map[bool]*testServer{}
+	planes := map[bool]*fakeDataPlane{}
+	for _, packed := range []bool{false, true} {
+		planes[packed] = &fakeDataPlane{model: bigram.Random(5)}
+		s := start(t, double.Config{Generation: double.GenD, Backend: double.BackendNCCL, DevMode: true, NCCLReceiver: planes[packed]})
+		s.ok("POST", "/init_weight_transfer_engine", `{"init_info":{"rank_offset":1,"world_size":2,"packed":`+strconv.FormatBool(packed)+
+			`,"nccl_unique_id_b64":"`+ncclid.EncodeB64(testID(4))+`"}}`)
+		servers[packed] = s
+	}
+	for _, r := range rows {
+		s, plane := servers[r.packed], planes[r.packed]
+		s.ok("POST", "/start_weight_update", "{}")
+		status, body := s.call("POST", "/update_weights", `{"update_info":{"names":["bigram.logits","scale"],"dtype_names":["float32","`+r.dtype+`"],"shapes":[[128,128],[4]]}}`)
+		s.ok("POST", "/finish_weight_update", "{}")
+		if r.err != "" {
+			assert.Equal(t, 500, status, "%s packed=%v: %s", r.dtype, r.packed, body)
+			assert.Contains(t, errorMessage(t, body), r.err, "%s packed=%v", r.dtype, r.packed)
+			continue
+		}
+		require.Equal(t, 200, status, "%s packed=%v: %s", r.dtype, r.packed, body)
+		u := plane.lastUpdate(t)
+		dt, err := safetensors.DTypeFromTorch(r.dtype)
+		require.NoError(t, err)
+		assert.Equal(t, []int64{4 * 128 * 128, 4 * int64(dt.ItemSize())}, u.Bytes, "%s: prod(shape) x item size (fp8: one byte)", r.dtype)
+		if r.packed {
+			assert.Nil(t, u.NCCLDataTypes, "packed chunks are ncclUint8; no per-tensor type")
+		} else {
+			assert.Equal(t, []nccl.DataType{nccl.Float32, r.ncclType}, u.NCCLDataTypes, r.dtype)
+		}
+	}
+	servers[false].ok("POST", "/start_weight_update", "{}")
+	_, body := servers[false].call("POST", "/update_weights", `{"update_info":{"names":["a"],"dtype_names":["float8_e5m2"],"shapes":[[1]]}}`)
+	assert.Contains(t, errorMessage(t, body), "vLLM maps only bfloat16, float16, float32, float64, float8_e4m3fn, int32, int64, int8, uint8; a packed update carries any dtype as bytes",
+		"the refusal names what a non-packed update may carry")
+}
+
+// The double's non-packed dtype table and the trainer's broadcast plan
+// (package plan) both write down vLLM's ncclDataTypeEnum.from_torch; they
+// must agree on every dtype, or the trainer sends what the double refuses
+// (or the reverse).
+func TestNCCLDTypesAgreeWithThePlan(t *testing.T) {
+	plane := &fakeDataPlane{model: bigram.Random(5)}
+	s := start(t, double.Config{Generation: double.GenB, Backend: double.BackendNCCL, DevMode: true, NCCLReceiver: plane})
+	st, host, port := trainerStore(t)
+	st.Set(tcpstore.UniqueIDKey, ncclid.Pickle(testID(6)))
+	s.ok("POST", "/init_weight_transfer_engine", initBody(host, port, 1, 2))
+	for _, d := range safetensors.DTypes() {
+		torch := d.TorchName()
+		want, planErr := plan.NCCLDataType(torch)
+		status, body := s.call("POST", "/update_weights", `{"update_info":{"names":["bigram.logits","t"],"dtype_names":["float32","`+torch+`"],"shapes":[[128,128],[2]]}}`)
+		if planErr != nil {
+			assert.Equal(t, 500, status, "%s: the plan refuses it, so must the double: %s", torch, body)
+			continue
+		}
+		require.Equal(t, 200, status, "%s: the plan sends it, so the double must take it: %s", torch, body)
+		assert.Equal(t, []nccl.DataType{nccl.Float32, want}, plane.lastUpdate(t).NCCLDataTypes, torch)
 	}
 }

@@ -1,6 +1,7 @@
 package double
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -39,30 +40,33 @@ func (s *Server) version(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"version": s.cfg.Version})
 }
 
+// pause serves POST /pause with the query parameters the generation's
+// router declares: mode (abort, wait or keep; default abort) from B on, and
+// the boolean wait_for_inflight_requests (true means wait) and clear_cache.
+// E removed wait_for_inflight_requests, A had no mode; FastAPI ignores the
+// parameters a route does not declare, so those do not count there.
 func (s *Server) pause(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	mode := q.Get("mode")
-	if !q.Has("mode") {
-		mode = pauseAbort
+	mode := pauseAbort
+	if s.cfg.Generation.pauseHasMode() && q.Has("mode") {
+		mode = q.Get("mode")
+		if mode != pauseAbort && mode != pauseWait && mode != pauseKeep {
+			errorResponse(w, http.StatusBadRequest, fmt.Sprintf("query.mode: Input should be 'abort', 'wait' or 'keep', got %q", mode))
+			return
+		}
 	}
-	if mode != pauseAbort && mode != pauseWait && mode != pauseKeep {
-		errorResponse(w, http.StatusBadRequest, fmt.Sprintf("query.mode: Input should be 'abort', 'wait' or 'keep', got %q", mode))
-		return
-	}
-	deprecated := []string{"wait_for_inflight_requests", "clear_cache"}
+	bools := []string{"wait_for_inflight_requests", "clear_cache"}
 	if s.cfg.Generation.routerValidates() {
-		// E removed wait_for_inflight_requests, and FastAPI ignores query
-		// parameters it does not declare: mode alone decides.
-		deprecated = deprecated[1:]
+		bools = bools[1:]
 	}
-	for _, name := range deprecated {
+	for _, name := range bools {
 		if q.Has(name) {
 			b, ok := parseBool(q.Get(name))
 			if !ok {
 				errorResponse(w, http.StatusBadRequest, fmt.Sprintf("query.%s: Input should be a valid boolean, got %q", name, q.Get(name)))
 				return
 			}
-			if name == "wait_for_inflight_requests" && b { // deprecated spelling of mode=wait
+			if name == "wait_for_inflight_requests" && b { // A's spelling, B-D's deprecated one, of mode=wait
 				mode = pauseWait
 			}
 		}
@@ -281,7 +285,7 @@ func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
 			return err
 		}
 	}
-	sessions := s.cfg.Generation != GenB
+	sessions := s.cfg.Generation.hasSessions()
 	s.mu.Lock()
 	open, loaded, ckptFormat := s.wstate.session, s.wstate.loaded, s.wstate.checkpointFormat
 	s.mu.Unlock()
@@ -311,7 +315,7 @@ func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
 	s.model.Store(m)
 	s.mu.Lock()
 	s.wstate.loaded = true
-	if !sessions { // B: one call is the whole update
+	if !sessions { // A, B: one call is the whole update
 		s.wstate.finished++
 		s.wstate.version = strconv.Itoa(s.wstate.finished)
 	}
@@ -416,6 +420,42 @@ func (s *Server) finishUpdate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"message": "Weight update finished"})
+}
+
+// finalizeUpdate serves A's POST /finalize_weight_update. vLLM's workers
+// run process_weights_after_loading there (quantization and kernel
+// layouts), which the bigram table needs none of, and keep no state for
+// it: it may come at any time, also before any update. A's route reads no
+// body, so vLLM ignores whatever is sent; the double takes none or {} and
+// refuses anything else with a 400, to catch a client that means to send
+// something (say a weight_version A has no place for).
+func (s *Server) finalizeUpdate(w http.ResponseWriter, r *http.Request) {
+	body, err := s.readBody(w, r)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	if len(bytes.TrimSpace(body)) > 0 {
+		keys, _, err := orderedObject(body)
+		var got string
+		switch {
+		case !json.Valid(body):
+			got = "invalid JSON"
+		case err != nil:
+			got = "a " + pyType(body)
+		case len(keys) > 0:
+			got = "an object with key(s) " + quoteList(keys)
+		}
+		if got != "" {
+			errorResponse(w, http.StatusBadRequest, fmt.Sprintf("double: /finalize_weight_update takes no body or {}, got %s; real vLLM of generation A reads none and ignores it, the double refuses it to catch client bugs", got))
+			return
+		}
+	}
+	// It runs after any running init or update, as vLLM's engine runs
+	// worker calls one after another.
+	s.xferMu.Lock()
+	defer s.xferMu.Unlock()
+	writeJSON(w, http.StatusOK, map[string]string{"message": "Weight update finalized"})
 }
 
 // noSessionToFinish is finish_weight_update's error without an open
