@@ -23,7 +23,11 @@ type doubleFlags struct {
 	gen, apiKeyEnv, loadFormat string
 	errorRate, dropRate        []string
 	slowRate                   []string
-	cfg                        double.Config
+	// backendSet: --backend was given. Unset, it is disk, or nccl on a
+	// generation without the disk backend (A, B), so --generation A or B
+	// alone makes a valid double.
+	backendSet bool
+	cfg        double.Config
 }
 
 // config is the doubles' Config from the flags (usage errors: exit 2);
@@ -31,6 +35,9 @@ type doubleFlags struct {
 func (f *doubleFlags) config() (double.Config, error) {
 	cfg := f.cfg
 	cfg.Generation = double.Generation(strings.ToUpper(f.gen))
+	if !f.backendSet && !cfg.Generation.HasDiskBackend() {
+		cfg.Backend = double.BackendNCCL
+	}
 	cfg.LoadFormat = strings.ToLower(f.loadFormat)
 	if f.apiKeyEnv != "" {
 		if cfg.APIKey = os.Getenv(f.apiKeyEnv); cfg.APIKey == "" {
@@ -63,7 +70,7 @@ func doubleCmd(serve func(ctx context.Context, cfg double.Config, addrs []string
 		Long: `vllm-double runs one or more vLLM TEST AND DEMO DOUBLES. A double is NOT an
 inference engine: it speaks the HTTP contract of "vllm serve" with
 VLLM_SERVER_DEV_MODE=1 (OpenAI completions and chat, pause/resume, the RLHF
-weight-transfer routes of API generation B, C, D or E, /collective_rpc,
+weight-transfer routes of API generation A, B, C, D or E, /collective_rpc,
 /server_info, /metrics, vLLM's status codes and payload validation) in front
 of a character bigram table, so that rlflow's pipelines can be tried and
 tested on machines without a GPU. New weights visibly change its samples.
@@ -78,6 +85,8 @@ Checkpoints reach a double in two ways:
   --backend disk   the draft disk backend of an unmerged vLLM pull request
                    (#52152), not in stock vLLM: update_weights takes a
                    checkpoint directory. /collective_rpc works here too.
+                   Generations A and B have none: there --backend defaults
+                   to nccl.
 --load-format dummy starts with random weights (as vllm serve --load-format
 dummy) and a reload_weights then redraws them until update_config sets the
 load format to auto: the trap a client must avoid.
@@ -95,6 +104,7 @@ path such as /update_weights, or * for every route:
 			if err != nil {
 				return &exitError{code: 2, err: err}
 			}
+			fl.backendSet = cmd.Flags().Changed("backend")
 			cfg, err := fl.config()
 			if err != nil {
 				return err
@@ -105,8 +115,8 @@ path such as /update_weights, or * for every route:
 	f := cmd.Flags()
 	f.StringArrayVar(&listen, "listen", []string{"127.0.0.1:8000"}, "host:port to serve on (repeatable: one double per address)")
 	f.IntVar(&servers, "servers", 1, "number of doubles, on consecutive ports from --listen")
-	f.StringVar(&fl.gen, "generation", string(double.GenD), "vLLM RLHF API generation: B, C, D or E (E: the newest, stock vLLM of December 2026)")
-	f.StringVar(&fl.cfg.Backend, "backend", double.BackendDisk, "weight-transfer backend: disk (the draft of vLLM PR #52152, not stock) or nccl (stock; rendezvous only, no data plane)")
+	f.StringVar(&fl.gen, "generation", string(double.GenD), "vLLM RLHF API generation: A, B, C, D or E (A: the early-2026 API of /init_weight_transfer and /finalize_weight_update; E: the newest, stock vLLM of December 2026)")
+	f.StringVar(&fl.cfg.Backend, "backend", double.BackendDisk, "weight-transfer backend: disk (the draft of vLLM PR #52152, not stock; nccl is the default on A and B, which have no disk) or nccl (stock; rendezvous only, no data plane)")
 	f.StringVar(&fl.loadFormat, "load-format", double.LoadFormatAuto, "vLLM's --load-format: auto (load --model) or dummy (random weights; reload_weights redraws them until update_config sets auto)")
 	f.BoolVar(&fl.cfg.NoWeightChecker, "no-weight-checker", false, "serve no /weight_checker (as routers without it: 404)")
 	f.BoolVar(&fl.cfg.DevMode, "dev-mode", true, "serve the RLHF routes, /collective_rpc and /server_info (as VLLM_SERVER_DEV_MODE=1 does)")

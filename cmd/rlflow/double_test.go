@@ -98,7 +98,29 @@ func TestDoubleFlags(t *testing.T) {
 	require.NoError(t, err, "the flags make a valid double")
 	s.Close()
 
-	for _, bad := range [][]string{{"--load-format", "safetensors"}, {"--generation", "F"}} {
+	// A and B have no disk backend: unset, --backend is nccl there; given,
+	// it is the caller's choice and the double refuses disk.
+	for _, c := range []struct {
+		args    []string
+		gen     double.Generation
+		backend string
+	}{
+		{[]string{"--generation", "a"}, double.GenA, double.BackendNCCL},
+		{[]string{"--generation", "B"}, double.GenB, double.BackendNCCL},
+		{[]string{"--generation", "C"}, double.GenC, double.BackendDisk},
+		{[]string{"--generation", "E"}, double.GenE, double.BackendDisk},
+		{[]string{"--generation", "A", "--backend", "nccl"}, double.GenA, double.BackendNCCL},
+	} {
+		cfg, err := doubleConfigFrom(t, c.args...)
+		require.NoError(t, err, "%v", c.args)
+		assert.Equal(t, c.gen, cfg.Generation, "%v", c.args)
+		assert.Equal(t, c.backend, cfg.Backend, "%v", c.args)
+		s, err := double.New(cfg)
+		require.NoError(t, err, "%v: the flags make a valid double", c.args)
+		s.Close()
+	}
+
+	for _, bad := range [][]string{{"--load-format", "safetensors"}, {"--generation", "F"}, {"--generation", "A", "--backend", "disk"}} {
 		cfg, err := doubleConfigFrom(t, bad...)
 		require.NoError(t, err, "the double validates the value")
 		_, err = double.New(cfg)
@@ -112,7 +134,7 @@ func TestDoubleFlags(t *testing.T) {
 
 func TestDoubleHelpNamesTheDouble(t *testing.T) {
 	long := newDoubleCmd().Long
-	for _, want := range []string{"TEST AND DEMO DOUBLES", "NOT an", "#52152", "/collective_rpc", "--load-format dummy", "generation B, C, D or E"} {
+	for _, want := range []string{"TEST AND DEMO DOUBLES", "NOT an", "#52152", "/collective_rpc", "--load-format dummy", "generation A, B, C, D or E"} {
 		assert.Contains(t, long, want)
 	}
 }

@@ -103,8 +103,9 @@ const (
 // versions, abort_requests and the weight checker; A and B do not.
 func (g Generation) hasSessions() bool { return g == GenC || g == GenD || g == GenE }
 
-// hasDiskBackend: the draft disk backend exists from C on.
-func (g Generation) hasDiskBackend() bool { return g.hasSessions() }
+// HasDiskBackend reports whether the double serves the draft disk backend
+// on g: from C on (it needs sessions); A and B are NCCL only.
+func (g Generation) HasDiskBackend() bool { return g.hasSessions() }
 
 // initPath is the init route: A named it /init_weight_transfer.
 func (g Generation) initPath() string {
@@ -348,14 +349,14 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Backend == "" {
 		c.Backend = BackendDisk
-		if !c.Generation.hasDiskBackend() || c.Generation == GenE {
+		if !c.Generation.HasDiskBackend() || c.Generation == GenE {
 			c.Backend = BackendNCCL
 		}
 	}
 	switch c.Backend {
 	case BackendNCCL:
 	case BackendDisk:
-		if !c.Generation.hasDiskBackend() {
+		if !c.Generation.HasDiskBackend() {
 			return c, fmt.Errorf("double: the disk backend needs generation C, D or E, not %s", c.Generation)
 		}
 	default:
