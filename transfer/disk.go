@@ -198,7 +198,13 @@ func reload(ctx context.Context, c *vllm.Client, dir string, size int64, version
 		return err
 	}
 	if !paused {
-		if err := c.Pause(ctx, vllm.PauseKeep); err != nil {
+		// keep: requests in flight wait and go on after; A cannot keep
+		// them, so there they finish first.
+		mode := vllm.PauseKeep
+		if gen == vllm.GenA {
+			mode = vllm.PauseWait
+		}
+		if err := c.Pause(ctx, mode); err != nil {
 			return err
 		}
 		defer func() {

@@ -85,6 +85,7 @@ const (
 	probeRPC  = "GET /collective_rpc"
 	probeGen  = "GET /init_weight_transfer_engine|GET /start_weight_update|GET /version"
 	probeGenB = "GET /init_weight_transfer_engine|GET /start_weight_update"
+	probeGenA = "GET /init_weight_transfer_engine|GET /init_weight_transfer"
 )
 
 func seq(parts ...string) []string {
@@ -126,6 +127,10 @@ func TestDiskUpdateSequences(t *testing.T) {
 		}},
 		{"stock B (no versions)", double.Config{Generation: double.GenB, Backend: double.BackendNCCL}, false, MethodReload, func(dir string) []string {
 			return seq(probeInfo, probeRPC, probeGenB, "POST /pause?mode=keep", reload(dir, ""), "POST /resume")
+		}},
+		// A cannot keep requests frozen: they finish before the reload.
+		{"stock A (no versions, no keep)", double.Config{Generation: double.GenA, Backend: double.BackendNCCL}, false, MethodReload, func(dir string) []string {
+			return seq(probeInfo, probeRPC, probeGenA, "POST /pause?mode=wait&wait_for_inflight_requests=true", reload(dir, ""), "POST /resume")
 		}},
 		{"draft disk D", double.Config{Generation: double.GenD, Backend: double.BackendDisk}, false, MethodDraftDisk, func(dir string) []string {
 			return seq(probeInfo, probeGen, `POST /init_weight_transfer_engine {"init_info":{}}`, "POST /start_weight_update {}",

@@ -95,6 +95,21 @@ func vllmError(t *testing.T, err error) *vllm.Error {
 	return e
 }
 
+// Generation A's /pause knows only wait_for_inflight_requests: wait
+// reaches it as that, and keep, which it cannot do, is refused before
+// anything is sent.
+func TestPauseOnGenerationA(t *testing.T) {
+	ctx := context.Background()
+	s := newServer(t, double.Config{Generation: double.GenA, DevMode: true})
+	c := client(t, s, vllm.Options{})
+	err := c.Pause(ctx, vllm.PauseKeep)
+	assert.ErrorContains(t, err, "generation A's /pause cannot keep requests frozen")
+	assert.Zero(t, s.Stats().Requests["POST /pause"])
+	require.NoError(t, c.Pause(ctx, vllm.PauseWait))
+	assert.Equal(t, "mode=wait&wait_for_inflight_requests=true", s.last(t, "/pause").Query)
+	require.NoError(t, c.Resume(ctx))
+}
+
 func TestNewRejectsBadURLs(t *testing.T) {
 	for raw, want := range map[string]string{
 		"ftp://h:1":              "scheme must be http or https",
@@ -194,7 +209,11 @@ func TestControlCalls(t *testing.T) {
 
 		for _, mode := range []string{vllm.PauseAbort, vllm.PauseWait, vllm.PauseKeep} {
 			require.NoError(t, c.Pause(ctx, mode))
-			assert.Equal(t, "mode="+mode, s.last(t, "/pause").Query)
+			want := "mode=" + mode
+			if mode == vllm.PauseWait {
+				want += "&wait_for_inflight_requests=true" // what generation A reads
+			}
+			assert.Equal(t, want, s.last(t, "/pause").Query)
 			paused, err := c.IsPaused(ctx)
 			require.NoError(t, err)
 			assert.True(t, paused)

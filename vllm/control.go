@@ -37,12 +37,28 @@ func (c *Client) WorldSize(ctx context.Context, includeDP bool) (int, error) {
 // Pause stops generation in the given mode (PauseAbort, PauseWait or
 // PauseKeep; nothing else is accepted, so no mode is defaulted silently).
 // Pausing a paused server succeeds. Retried: a repeated pause is harmless.
+//
+// Generation A's /pause knows no mode (FastAPI drops the parameter): it
+// aborts unless wait_for_inflight_requests is true. So wait also sends
+// that (B-D read it as the deprecated spelling of mode=wait, E ignores
+// it), and keep, which A cannot do, is refused there rather than turned
+// into an abort.
 func (c *Client) Pause(ctx context.Context, mode string) error {
-	cl := call{method: http.MethodPost, path: "/pause", query: url.Values{"mode": {mode}},
+	q := url.Values{"mode": {mode}}
+	cl := call{method: http.MethodPost, path: "/pause", query: q,
 		timeout: c.opts.Timeouts.control(), idempotent: true, timeoutOf: "Control"}
 	switch mode {
-	case PauseAbort, PauseKeep:
+	case PauseAbort:
+	case PauseKeep:
+		gen, err := c.generation(ctx)
+		if err != nil {
+			return err
+		}
+		if gen == GenA {
+			return c.errorf(cl, 0, nil, "pause mode keep: generation A's /pause cannot keep requests frozen (it only aborts them, or waits for them with wait_for_inflight_requests); use mode abort or wait")
+		}
 	case PauseWait:
+		q.Set("wait_for_inflight_requests", "true")
 		cl.timeout, cl.timeoutOf = c.opts.Timeouts.generate(), "Generate"
 	default:
 		return c.errorf(cl, 0, nil, "pause mode %q, want abort, wait or keep", mode)

@@ -902,6 +902,12 @@ func TestNCCLRequestSequences(t *testing.T) {
 		packed bool
 		want   []string
 	}{
+		{double.GenA, false, []string{worldSize, "POST /init_weight_transfer " + tcpInit + "}}",
+			`POST /update_weights {"update_info":{` + meta + `}}`, "POST /finalize_weight_update {}"}},
+		// A chooses its packed chunk size from its own GPU memory: the
+		// trainer cannot lay out the same chunks, so packed is refused
+		// before the init is sent.
+		{double.GenA, true, []string{worldSize}},
 		{double.GenB, false, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
 			`POST /update_weights {"update_info":{` + meta + `}}`}},
 		{double.GenB, true, []string{worldSize, "POST /init_weight_transfer_engine " + tcpInit + "}}",
@@ -927,7 +933,17 @@ func TestNCCLRequestSequences(t *testing.T) {
 			}
 			e := newEnv(t, envConfig{gen: tc.gen, worldSizes: []int{1}, wt: wt, record: true})
 			ctx := e.ctx()
-			if _, err := e.init(ctx, nil); err != nil {
+			_, err := e.init(ctx, nil)
+			if tc.gen == double.GenA && tc.packed {
+				if kindOf(err) != transfer.BadInput || !strings.Contains(err.Error(), "speaks API generation A, which chooses its packed chunk size") {
+					t.Fatalf("packed on A: %v", err)
+				}
+				if got := e.servers[0].rec.lines(); !slices.Equal(got, tc.want) {
+					t.Fatalf("requests %q, want %q", got, tc.want)
+				}
+				return
+			}
+			if err != nil {
 				t.Fatal(err)
 			}
 			ckpt := filepath.Join(t.TempDir(), "small.safetensors")
