@@ -1,5 +1,8 @@
-// Package bench measures rlflow's orchestration overhead on a real Temporal
-// dev server, each figure against a baseline measured in the same run:
+// Package bench measures rlflow's orchestration overhead on the Temporal
+// dev server and on a real cluster (Temporal server on PostgreSQL with the
+// shipped dynamic config, internal/testutil.StartCluster), each figure
+// against a baseline measured in the same run; the run ends with a table
+// of both (bench/RESULTS.md):
 //
 //	make bench    (go test -run '^$' -bench . -benchtime 1x ./bench/)
 package bench
@@ -7,7 +10,11 @@ package bench
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"sort"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,17 +26,29 @@ import (
 	"go.temporal.io/sdk/client"
 )
 
+// server is one Temporal server the benchmarks run on.
+type server struct {
+	name  string
+	start func(b *testing.B) string // the frontend's address
+}
+
+// servers: the dev server as `make demo` runs it, and a real cluster as
+// docker-compose.yml runs it (one process, 4 history shards, PostgreSQL).
+var servers = []server{
+	{"devserver", func(b *testing.B) string { return testutil.DevServer(b).Address }},
+	{"cluster", func(b *testing.B) string { return testutil.StartCluster(b, testutil.ClusterOptions{}).Address }},
+}
+
 type env struct {
 	c     client.Client
 	queue string
 	acts  *activities.Activities
 }
 
-func setup(b *testing.B) *env {
+func setup(b *testing.B, addr string) *env {
 	b.Helper()
-	srv := testutil.DevServer(b)
 	ctx := context.Background()
-	c, err := runs.Connect(ctx, srv.Address, "default")
+	c, err := runs.Connect(ctx, addr, "default")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -80,7 +99,13 @@ func (e *env) direct(b *testing.B, n int) time.Duration {
 }
 
 func BenchmarkOverhead(b *testing.B) {
-	e := setup(b)
+	for _, s := range servers {
+		b.Run(s.name, func(b *testing.B) { overhead(b, s) })
+	}
+}
+
+func overhead(b *testing.B, s server) {
+	e := setup(b, s.start(b))
 	const n = 50
 	chain := &pipelines.Pipeline{Version: 1, Name: "chain", Loop: pipelines.Loop{Iterations: 1}}
 	fan := &pipelines.Pipeline{Version: 1, Name: "fanout", Loop: pipelines.Loop{Iterations: 1}}
@@ -99,63 +124,182 @@ func BenchmarkOverhead(b *testing.B) {
 		// Medians of repeated runs: on a 2-core box one run of a shape can
 		// be several times slower than the next, and the ratios would then
 		// measure the noise rather than the orchestration.
-		tSingle := e.median(b, single, 7)
-		tChain := e.median(b, chain, 3)
-		tFan := e.median(b, fan, 5)
+		singles := e.times(b, single, 7)
+		chains := e.times(b, chain, 3)
+		fans := e.times(b, fan, 5)
 		tDirect := e.direct(b, n)
-		perStep := (tChain - tSingle) / (n - 1)
-		b.ReportMetric(float64(perStep.Microseconds())/1000, "ms/seq-step")
-		b.ReportMetric(float64(tDirect.Microseconds())/1000/n, "ms/direct-call")
-		b.ReportMetric(float64(tFan)/float64(tSingle), "fanout/single")
+		tSingle, tChain, tFan := median(singles), median(chains), median(fans)
+		perStep := func(chain time.Duration) float64 { return ms(chain-tSingle) / (n - 1) }
+		fanRatio := func(fan time.Duration) float64 { return float64(fan) / float64(tSingle) }
+		b.ReportMetric(perStep(tChain), "ms/seq-step")
+		b.ReportMetric(ms(tDirect)/n, "ms/direct-call")
+		b.ReportMetric(fanRatio(tFan), "fanout/single")
 		b.Logf("medians: single-step run %s; 50-step chain %s (%.1f ms per extra step); 50-wide fan-out %s = %.2fx the single-step run; 50 direct in-process calls %s",
-			tSingle.Round(time.Millisecond), tChain.Round(time.Millisecond), float64(perStep.Microseconds())/1000,
-			tFan.Round(time.Millisecond), float64(tFan)/float64(tSingle), tDirect)
+			tSingle.Round(time.Millisecond), tChain.Round(time.Millisecond), perStep(tChain),
+			tFan.Round(time.Millisecond), fanRatio(tFan), tDirect)
+		record(s.name, figure{
+			order: 0, what: "overhead per sequential step (50-step chain, median of 3; single-step run median of 7)",
+			value:    fmt.Sprintf("%.1f ms", perStep(tChain)),
+			spread:   fmt.Sprintf("%.1f-%.1f ms", perStep(chains[0]), perStep(chains[len(chains)-1])),
+			baseline: fmt.Sprintf("direct in-process call %.4f ms; single-step run %s", ms(tDirect)/n, tSingle.Round(time.Millisecond)),
+			target:   "< 30 ms", met: perStep(tChain) < 30,
+		})
+		record(s.name, figure{
+			order: 1, what: "50-wide fan-out vs a single-step run (medians of 5 and 7)",
+			value:    fmt.Sprintf("%.2fx (%s)", fanRatio(tFan), tFan.Round(time.Millisecond)),
+			spread:   fmt.Sprintf("%.2f-%.2fx", fanRatio(fans[0]), fanRatio(fans[len(fans)-1])),
+			baseline: fmt.Sprintf("single-step run %s (%s-%s)", tSingle.Round(time.Millisecond), singles[0].Round(time.Millisecond), singles[len(singles)-1].Round(time.Millisecond)),
+			target:   "<= 3x", met: fanRatio(tFan) <= 3,
+		})
 	}
 }
 
-// median runs p k times and returns the median wall time.
-func (e *env) median(b *testing.B, p *pipelines.Pipeline, k int) time.Duration {
+// times runs p k times and returns the wall times, sorted.
+func (e *env) times(b *testing.B, p *pipelines.Pipeline, k int) []time.Duration {
 	b.Helper()
 	ts := make([]time.Duration, k)
 	for i := range ts {
 		ts[i], _ = e.run(b, p)
 	}
 	slices.Sort(ts)
-	return ts[k/2]
+	return ts
 }
 
+func median[T any](sorted []T) T { return sorted[len(sorted)/2] }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// thousandRuns is how many 1,000-iteration runs the last/first ratio is
+// the median of.
+const thousandRuns = 3
+
 func BenchmarkThousandIterations(b *testing.B) {
-	e := setup(b)
-	const iters = 1000
+	for _, s := range servers {
+		b.Run(s.name, func(b *testing.B) { thousand(b, s) })
+	}
+}
+
+func thousand(b *testing.B, s server) {
+	e := setup(b, s.start(b))
+	const iters, block = 1000, 100
 	p := &pipelines.Pipeline{Version: 1, Name: "iters", Loop: pipelines.Loop{Iterations: iters},
 		Steps: []pipelines.Step{noop("a"), noop("b", "a")}}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		total, id := e.run(b, p)
-		b.StopTimer()
-		starts := make([]time.Time, iters+2)
-		for _, k := range append(rangeInts(1, 102), rangeInts(iters-100, iters+1)...) {
-			d, err := e.c.DescribeWorkflow(context.Background(), fmt.Sprintf("%s/iter-%d", id, k), "")
-			if err != nil {
-				b.Fatal(err)
+		var ratios, firsts, lasts []float64
+		var blockMin, blockMax float64
+		for r := 0; r < thousandRuns; r++ {
+			total, id := e.run(b, p)
+			b.StopTimer()
+			blocks := e.blocks(b, id, iters, block)
+			first, last := blocks[0], blocks[len(blocks)-1]
+			ratios, firsts, lasts = append(ratios, last/first), append(firsts, first), append(lasts, last)
+			for _, x := range blocks {
+				if blockMin == 0 || x < blockMin {
+					blockMin = x
+				}
+				blockMax = max(blockMax, x)
 			}
-			starts[k] = d.RawResponse.GetWorkflowExecutionInfo().GetStartTime().AsTime()
+			b.Logf("run %d: %d iterations in %s; ms per iteration by block of %d: %s; last/first %.2f",
+				r+1, iters, total.Round(time.Millisecond), block, fmtFloats(blocks, "%.1f"), last/first)
+			b.StartTimer()
 		}
-		first := starts[101].Sub(starts[1]) / 100
-		last := starts[iters].Sub(starts[iters-100]) / 100
-		b.ReportMetric(float64(first.Microseconds())/1000, "ms/iter-first100")
-		b.ReportMetric(float64(last.Microseconds())/1000, "ms/iter-last100")
-		b.ReportMetric(float64(last)/float64(first), "last/first")
-		b.Logf("%d iterations in %s; first 100: %s per iteration; last 100: %s per iteration; ratio %.2f",
-			iters, total.Round(time.Millisecond), first, last, float64(last)/float64(first))
-		b.StartTimer()
+		order := func(xs []float64) []float64 { ys := slices.Clone(xs); sort.Float64s(ys); return ys }
+		ratio := median(order(ratios))
+		b.ReportMetric(median(order(firsts)), "ms/iter-first100")
+		b.ReportMetric(median(order(lasts)), "ms/iter-last100")
+		b.ReportMetric(ratio, "last/first")
+		record(s.name, figure{
+			order: 2, what: fmt.Sprintf("1,000 iterations of a 2-step pipeline: last/first 100 (median of %d runs)", thousandRuns),
+			value:    fmt.Sprintf("%.2f (%.1f -> %.1f ms/iter)", ratio, median(order(firsts)), median(order(lasts))),
+			spread:   fmt.Sprintf("ratios %s; 100-iteration blocks %.1f-%.1f ms/iter", fmtFloats(order(ratios), "%.2f"), blockMin, blockMax),
+			baseline: "the same run's first 100 iterations",
+			target:   "< 1.2", met: ratio < 1.2,
+		})
 	}
 }
 
-func rangeInts(from, to int) []int {
-	var out []int
-	for i := from; i < to; i++ {
-		out = append(out, i)
+// blocks is the mean time per iteration of each block of n iterations of
+// run id: from the start of the block's first iteration to the start of
+// the next block's (the close of the last iteration, for the last block).
+func (e *env) blocks(b *testing.B, id string, iters, n int) []float64 {
+	b.Helper()
+	ctx := context.Background()
+	var bounds []time.Time
+	for k := 1; k <= iters; k += n {
+		d, err := e.c.DescribeWorkflow(ctx, fmt.Sprintf("%s/iter-%d", id, k), "")
+		if err != nil {
+			b.Fatal(err)
+		}
+		bounds = append(bounds, d.RawResponse.GetWorkflowExecutionInfo().GetStartTime().AsTime())
+	}
+	d, err := e.c.DescribeWorkflow(ctx, fmt.Sprintf("%s/iter-%d", id, iters), "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	bounds = append(bounds, d.RawResponse.GetWorkflowExecutionInfo().GetCloseTime().AsTime())
+	out := make([]float64, len(bounds)-1)
+	for i := range out {
+		out[i] = ms(bounds[i+1].Sub(bounds[i])) / float64(n)
 	}
 	return out
+}
+
+func fmtFloats(xs []float64, format string) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprintf(format, x)
+	}
+	return strings.Join(s, " ")
+}
+
+// figure is one measured figure of one server, for the closing table.
+type figure struct {
+	order                                 int
+	what, value, spread, baseline, target string
+	met                                   bool
+}
+
+var (
+	figuresMu sync.Mutex
+	figures   = map[string][]figure{} // by server name
+)
+
+func record(server string, f figure) {
+	figuresMu.Lock()
+	defer figuresMu.Unlock()
+	figures[server] = append(figures[server], f)
+}
+
+// TestMain prints, after the benchmarks, every server's figures beside its
+// baselines as a Markdown table (bench/RESULTS.md's).
+func TestMain(m *testing.M) {
+	code := m.Run()
+	figuresMu.Lock()
+	defer figuresMu.Unlock()
+	if len(figures) > 0 {
+		fmt.Println("\n| figure | server | measured | spread | baseline (same run) | target |")
+		fmt.Println("|---|---|---|---|---|---|")
+		var all []struct {
+			server string
+			f      figure
+		}
+		for _, s := range servers {
+			for _, f := range figures[s.name] {
+				all = append(all, struct {
+					server string
+					f      figure
+				}{s.name, f})
+			}
+		}
+		sort.SliceStable(all, func(i, j int) bool { return all[i].f.order < all[j].f.order })
+		for _, r := range all {
+			verdict := "**not met**"
+			if r.f.met {
+				verdict = "met"
+			}
+			fmt.Printf("| %s | %s | %s | %s | %s | %s: %s |\n", r.f.what, r.server, r.f.value, r.f.spread, r.f.baseline, r.f.target, verdict)
+		}
+	}
+	os.Exit(code)
 }
