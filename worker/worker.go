@@ -114,8 +114,8 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 		// costs the server one more transaction to record its start (see
 		// bench/RESULTS.md). Free activity slots still bound it.
 		MaxEagerActivityReservationsPerWorkflowTask: &eagerStartsPerWorkflowTask,
-		MaxConcurrentWorkflowTaskPollers: 4,
-		OnFatalError:                     opts.OnFatalError,
+		MaxConcurrentWorkflowTaskPollers:            4,
+		OnFatalError:                                opts.OnFatalError,
 	})
 	if err := sweepAttempts(acts); err != nil {
 		return nil, err
