@@ -321,7 +321,7 @@ func (r *Reports) keep(info activity.Info, res any) {
 	if err != nil {
 		return // not JSON: the SDK's converter will fail to report it too
 	}
-	k := &keptResult{Namespace: info.WorkflowNamespace, WorkflowID: info.WorkflowExecution.ID, WorkflowRunID: info.WorkflowExecution.RunID,
+	k := &keptResult{Namespace: info.Namespace, WorkflowID: info.WorkflowExecution.ID, WorkflowRunID: info.WorkflowExecution.RunID,
 		ActivityID: info.ActivityID, ActivityType: info.ActivityType.Name, Attempt: int(info.Attempt), Result: raw,
 		Finished: time.Now(), token: string(info.TaskToken)}
 	r.mu.Lock()
@@ -337,7 +337,7 @@ func (r *Reports) keep(info activity.Info, res any) {
 // taken finds a result kept from an earlier attempt of info's activity, in
 // memory or on disk, and hands it to this attempt: its report now clears it.
 func (r *Reports) taken(info activity.Info) *keptResult {
-	want := &keptResult{Namespace: info.WorkflowNamespace, WorkflowID: info.WorkflowExecution.ID,
+	want := &keptResult{Namespace: info.Namespace, WorkflowID: info.WorkflowExecution.ID,
 		WorkflowRunID: info.WorkflowExecution.RunID, ActivityID: info.ActivityID}
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -71,7 +71,7 @@ func (f *fakeServer) done() []json.RawMessage {
 }
 
 func keptInfo(attempt int32, token string) activity.Info {
-	info := activity.Info{WorkflowNamespace: "default", ActivityID: "train", Attempt: attempt, TaskToken: []byte(token)}
+	info := activity.Info{Namespace: "default", ActivityID: "train", Attempt: attempt, TaskToken: []byte(token)}
 	info.WorkflowExecution.ID, info.WorkflowExecution.RunID = "run-1/iter-1", "r1"
 	info.ActivityType.Name = "exec"
 	return info

@@ -3,7 +3,6 @@ package vllm
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"math"
 	"net/http"
 	"net/url"
@@ -203,13 +202,4 @@ func (c *Client) Version(ctx context.Context) (string, error) {
 	c.version = out.Version
 	c.mu.Unlock()
 	return out.Version, nil
-}
-
-// describeVersion is Version for reports: the error's text when unreadable.
-func describeVersion(ctx context.Context, c *Client) string {
-	v, err := c.Version(ctx)
-	if err != nil {
-		return fmt.Sprintf("unknown (%v)", err)
-	}
-	return v
 }
