@@ -4,64 +4,30 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"io"
-	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 
-// recorded is one request a server received: "METHOD /path?query body".
-type recorder struct {
-	mu   sync.Mutex
-	reqs []string
-}
-
-func (r *recorder) wrap(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		body, _ := io.ReadAll(req.Body)
-		req.Body = io.NopCloser(bytes.NewReader(body))
-		line := req.Method + " " + req.URL.Path
-		if req.URL.RawQuery != "" {
-			line += "?" + req.URL.RawQuery
-		}
-		if b := strings.TrimSpace(string(body)); b != "" {
-			line += " " + b
-		}
-		r.mu.Lock()
-		r.reqs = append(r.reqs, line)
-		r.mu.Unlock()
-		h.ServeHTTP(w, req)
-	})
-}
-
-func (r *recorder) take() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	out := r.reqs
-	r.reqs = nil
-	return out
-}
-
 // recordedDouble serves a vLLM double behind a recorder.
-func recordedDouble(t *testing.T, cfg double.Config) (*double.Server, *vllm.Client, *recorder) {
+func recordedDouble(t *testing.T, cfg double.Config) (*double.Server, *vllm.Client, *testutil.Recorder) {
 	t.Helper()
 	cfg.DevMode = true
 	d, err := double.New(cfg)
 	require.NoError(t, err)
-	rec := &recorder{}
-	hs := httptest.NewServer(rec.wrap(d.Handler()))
+	rec := &testutil.Recorder{}
+	hs := httptest.NewServer(rec.Wrap(d.Handler()))
 	t.Cleanup(func() { hs.Close(); d.Close() })
 	c, err := vllm.New(hs.URL, vllm.Options{Retry: vllm.RetryPolicy{Attempts: 1}})
 	require.NoError(t, err)
@@ -147,7 +113,7 @@ func TestDiskUpdateSequences(t *testing.T) {
 			dir, m := checkpoint(t, "the cat sat on the mat. ")
 			if tc.paused {
 				require.NoError(t, c.Pause(ctx, vllm.PauseKeep))
-				rec.take()
+				rec.Take()
 			}
 			res, err := NewDisk().Update(ctx, UpdateRequest{
 				Target:     Target{RunID: "run", Fleet: vllm.Fleet{c}, Settings: pipelines.WeightTransfer{Backend: pipelines.BackendDisk}},
@@ -155,7 +121,7 @@ func TestDiskUpdateSequences(t *testing.T) {
 			})
 			require.NoError(t, err)
 			assert.Equal(t, []string{tc.method}, res.Methods)
-			assert.Equal(t, tc.want(dir), rec.take())
+			assert.Equal(t, tc.want(dir), rec.Take())
 			assert.Equal(t, m.Checksum(), d.Model().Checksum(), "the server serves the checkpoint")
 			paused, err := c.IsPaused(ctx)
 			require.NoError(t, err)
@@ -205,7 +171,7 @@ func TestDiskUpdateFailureCleanup(t *testing.T) {
 			if tc.wantNote != "" {
 				assert.Contains(t, err.Error(), tc.wantNote)
 			}
-			reqs := rec.take()
+			reqs := rec.Take()
 			require.GreaterOrEqual(t, len(reqs), len(tc.wantTail))
 			assert.Equal(t, tc.wantTail, reqs[len(reqs)-len(tc.wantTail):], "all requests: %q", reqs)
 			assert.Equal(t, "run/iter-1-failed", d.WeightVersion())

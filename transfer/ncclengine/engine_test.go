@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -20,6 +19,7 @@ import (
 
 	"github.com/rlflow/rlflow/gpuhealth"
 	"github.com/rlflow/rlflow/gpuhealth/gpuhealthtest"
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/ncclid"
 	"github.com/rlflow/rlflow/nccl/nccltest"
@@ -219,37 +219,7 @@ type server struct {
 	*double.Server
 	url string
 	rcv *receiver
-	rec *recorder // every request, when envConfig.record
-}
-
-// recorder keeps every request a server got as "METHOD /path?query body".
-type recorder struct {
-	mu   sync.Mutex
-	reqs []string
-}
-
-func (r *recorder) wrap(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		body, _ := io.ReadAll(req.Body)
-		req.Body = io.NopCloser(bytes.NewReader(body))
-		line := req.Method + " " + req.URL.Path
-		if req.URL.RawQuery != "" {
-			line += "?" + req.URL.RawQuery
-		}
-		if b := strings.TrimSpace(string(body)); b != "" {
-			line += " " + b
-		}
-		r.mu.Lock()
-		r.reqs = append(r.reqs, line)
-		r.mu.Unlock()
-		h.ServeHTTP(w, req)
-	})
-}
-
-func (r *recorder) lines() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]string(nil), r.reqs...)
+	rec *testutil.Recorder // every request, when envConfig.record
 }
 
 type env struct {
@@ -286,10 +256,10 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 			t.Fatal(err)
 		}
 		var h http.Handler = d.Handler()
-		var rec *recorder
+		var rec *testutil.Recorder
 		if cfg.record {
-			rec = &recorder{}
-			h = rec.wrap(h)
+			rec = &testutil.Recorder{}
+			h = rec.Wrap(h)
 		}
 		hs := httptest.NewServer(h)
 		t.Cleanup(func() {
@@ -938,7 +908,7 @@ func TestNCCLRequestSequences(t *testing.T) {
 				if kindOf(err) != transfer.BadInput || !strings.Contains(err.Error(), "speaks API generation A, which chooses its packed chunk size") {
 					t.Fatalf("packed on A: %v", err)
 				}
-				if got := e.servers[0].rec.lines(); !slices.Equal(got, tc.want) {
+				if got := e.servers[0].rec.Lines(); !slices.Equal(got, tc.want) {
 					t.Fatalf("requests %q, want %q", got, tc.want)
 				}
 				return
@@ -958,7 +928,7 @@ func TestNCCLRequestSequences(t *testing.T) {
 				t.Fatal(err)
 			}
 			var got []string
-			for _, l := range e.servers[0].rec.lines() {
+			for _, l := range e.servers[0].rec.Lines() {
 				got = append(got, id.ReplaceAllString(port.ReplaceAllString(l, `"master_port":PORT`), `"nccl_unique_id_b64":"ID"`))
 			}
 			if !slices.Equal(got, tc.want) {
