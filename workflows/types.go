@@ -282,7 +282,9 @@ func mergeVLLM(known, learned []pipelines.VLLMServer) []pipelines.VLLMServer {
 		}
 		i := slices.IndexFunc(known, func(k pipelines.VLLMServer) bool { return k.URL == l.URL })
 		if i < 0 {
-			known = append(known, l)
+			if len(known) < maxVLLMRecords {
+				known = append(known, l)
+			}
 			continue
 		}
 		if l.Version == "" && l.API == "" && known[i].Version != "" {

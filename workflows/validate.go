@@ -35,8 +35,12 @@ var validationActivity = workflow.ActivityOptions{
 // gives, and what rlflow carries from a run to the one it continues as.
 var (
 	callerFields  = []string{"spec", "spec_path", "params", "search_attributes"}
-	carriedFields = []string{"next_iteration", "paused", "recent", "gpu_host", "weights"}
+	carriedFields = []string{"next_iteration", "paused", "recent", "gpu_host", "weights", "vllm"}
 )
+
+// maxVLLMRecords bounds the carried record of servers (PipelineInput.VLLM):
+// one per server URL the run talked to, far fewer in any real pipeline.
+const maxVLLMRecords = 1024
 
 // startInput is a run's input decoded, the spec still JSON text.
 type startInput struct {
@@ -211,6 +215,14 @@ func (s *startInput) set(key string, v json.RawMessage) error {
 		return decodeField(key, v, &s.in.GPUHost)
 	case "weights":
 		return decodeField(key, v, &s.in.Weights)
+	case "vllm":
+		if err := decodeField(key, v, &s.in.VLLM); err != nil {
+			return err
+		}
+		if len(s.in.VLLM) > maxVLLMRecords {
+			return fmt.Errorf("vllm: at most %d servers, got %d", maxVLLMRecords, len(s.in.VLLM))
+		}
+		return nil
 	}
 	return fmt.Errorf("%s: unknown field; the input takes %s", clipName(key), strings.Join(callerFields, ", "))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -168,9 +169,9 @@ func TestStrictInputRefusedBeforeAnythingRuns(t *testing.T) {
 		{name: "empty object", input: `{}`, want: []string{"give spec (the pipeline as JSON) or spec_path"}},
 		{name: "null", input: `null`, want: []string{"the input is empty"}},
 		{name: "not an object", input: `"/etc/shadow"`, want: []string{"the input must be a JSON object with spec or spec_path, and params; got a string"}},
-		{name: "carried fields on a new run", input: `{"spec": ` + spec + `, "next_iteration": 5, "weights": {"version": "v", "checkpoint": "/etc"}}`,
+		{name: "carried fields on a new run", input: `{"spec": ` + spec + `, "next_iteration": 5, "weights": {"version": "v", "checkpoint": "/etc"}, "vllm": []}`,
 			want: []string{"next_iteration: is carried by rlflow from a run to the one it continues as; a new run cannot set it",
-				"weights: is carried by rlflow"}},
+				"weights: is carried by rlflow", "vllm: is carried by rlflow"}},
 		{name: "every problem at once", input: `{"spec": 1, "spec_path": false, "x": 1}`,
 			want: []string{"spec: must be the pipeline as a JSON object", "spec_path: must be a string, got bool", `"x": unknown field`}},
 		{name: "empty spec", input: `{"spec": {}}`, validated: true,
@@ -295,6 +296,26 @@ func TestContinueAsNewValidatesAgain(t *testing.T) {
 	assert.Contains(t, badInputOf(t, err).Message(), `gpu_host: unknown field "evil"`)
 	_, err = run(map[string]any{"spec": json.RawMessage(validSpec), "next_iteration": 2.5})
 	assert.Contains(t, badInputOf(t, err).Message(), "next_iteration: must be an integer, got number 2.5")
+
+	// The run's record of its servers is carried too, strictly.
+	withVLLM := map[string]json.RawMessage{}
+	for k, v := range next {
+		withVLLM[k] = v
+	}
+	withVLLM["vllm"] = json.RawMessage(`[{"url": "http://a:8000", "version": "0.30.0", "api": "E"}]`)
+	_, err = run(withVLLM)
+	require.True(t, errors.As(err, &can), "a carried vllm record is taken: %v", err)
+	withVLLM["vllm"] = json.RawMessage(`[{"url": "http://a:8000", "evil": 1}]`)
+	_, err = run(withVLLM)
+	assert.Contains(t, badInputOf(t, err).Message(), `vllm: unknown field "evil"`)
+	many := make([]map[string]string, maxVLLMRecords+1)
+	for i := range many {
+		many[i] = map[string]string{"url": fmt.Sprintf("http://h%d:8000", i)}
+	}
+	b, _ := json.Marshal(many)
+	withVLLM["vllm"] = b
+	_, err = run(withVLLM)
+	assert.Contains(t, badInputOf(t, err).Message(), fmt.Sprintf("vllm: at most %d servers, got %d", maxVLLMRecords, maxVLLMRecords+1))
 }
 
 // TestIterationRefusesWithoutParent: rlflow.Iteration started directly
