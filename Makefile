@@ -1,6 +1,7 @@
 # The two commands a new user runs (see README):
 #   make demo   run the example pipeline on a local Temporal dev server + UI
-#   make test   run every test
+#   make test   run every test (the e2e suite on the dev server, then again on
+#               a real Temporal cluster: make test-cluster)
 GO        ?= go
 TEMPORAL  := bin/temporal
 RLFLOW    := bin/rlflow
@@ -32,8 +33,9 @@ $(TEMPORAL):
 demo: $(TEMPORAL) $(RLFLOW)
 	$(RLFLOW) dev $(ARGS)
 
-test: $(TEMPORAL)
+test: $(TEMPORAL) $(TEMPORAL_SERVER)
 	RLFLOW_TEMPORAL=$(CURDIR)/$(TEMPORAL) $(GO) test -count=1 -timeout 30m ./...
+	$(MAKE) --no-print-directory test-cluster
 
 # The e2e suite on a real Temporal cluster (internal/testutil.StartCluster:
 # the server built below, a private PostgreSQL from Debian's postgresql
