@@ -82,6 +82,10 @@ func TestGenerateResumesAfterCancel(t *testing.T) {
 			})
 			cancel()
 			require.ErrorIs(t, <-errc, context.Canceled)
+			// The server notices the cancelled requests' connections close
+			// on its own time; resumed before that, it would answer a
+			// frozen one into a connection nobody reads.
+			waitUntil(t, "the server to see every request of attempt 1 end", func() bool { return d.Stats().Open == 0 })
 			require.NoError(t, ctl.Resume(context.Background()))
 			atStop := d.Stats()
 			written := partialRows(t, partial)

@@ -264,6 +264,11 @@ type Stats struct {
 	// not yet written. After a pause with mode keep returned it only falls:
 	// at 0 every answer the server will give before resume is out.
 	Unsent int
+	// Open is the sequences of requests still being served: waiting for
+	// admission (paused, or no slot), generating, or frozen by a keep
+	// pause. A client that went away is noticed asynchronously; once Open
+	// is 0 none of its sequences can be answered any more.
+	Open int
 }
 
 const maxTrackedPrompts = 1 << 20
@@ -558,6 +563,7 @@ func (s *Server) Stats() Stats {
 	out.Faults = copyMap(s.stats.Faults)
 	out.PeakRunning = s.sched.peakRunning()
 	out.Unsent = s.sched.unsentCount()
+	out.Open = s.sched.openCount()
 	return out
 }
 

@@ -31,6 +31,7 @@ type scheduler struct {
 	epoch    uint64        // bumped by every abort
 	ctl      chan struct{} // closed and replaced on pause, resume and abort
 	inflight int           // admitted, not yet finished sequences
+	open     int           // sequences in run: waiting for admission or admitted
 	idle     chan struct{} // closed when inflight drops to 0; nil if nobody waits
 	running  int           // sequences holding a slot (all admitted ones when unbounded)
 	peak     int           // the most running at once since the server started
@@ -45,6 +46,13 @@ func (s *scheduler) peakRunning() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.peak
+}
+
+// openCount is the sequences waiting for admission or being served.
+func (s *scheduler) openCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.open
 }
 
 // unsentCount is the sequences finished but not yet answered.
@@ -149,6 +157,12 @@ type outcome struct {
 // at its end: once pause returned, no sequence finishes until resume.
 func (s *scheduler) run(ctx context.Context, d time.Duration) (outcome, error) {
 	s.mu.Lock()
+	s.open++
+	defer func() {
+		s.mu.Lock()
+		s.open--
+		s.mu.Unlock()
+	}()
 	for s.paused {
 		ctl := s.ctl
 		s.mu.Unlock()
