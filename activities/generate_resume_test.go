@@ -254,7 +254,9 @@ func TestResumePartialCutsTornAndForeignTails(t *testing.T) {
 func TestGenerateRetriesAbortedSamples(t *testing.T) {
 	for _, newVersion := range []string{"", "after-pause"} {
 		t.Run("version "+newVersion, func(t *testing.T) {
-			d := newDouble(t, double.Config{DevMode: true, Latency: 300 * time.Millisecond})
+			// Long enough that the pause below lands while every sequence is
+			// still generating, even on a machine busy with other tests.
+			d := newDouble(t, double.Config{DevMode: true, Latency: 2 * time.Second})
 			a := newActivities(t)
 			a.HeartbeatEvery = time.Hour // no periodic check: the one after the abort finds it
 			sc := stepContext(t, "g", d)
