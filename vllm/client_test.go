@@ -229,28 +229,6 @@ func TestControlCalls(t *testing.T) {
 	}
 }
 
-// receiver is a fake NCCL data plane: it "receives" a trained bigram tensor.
-type receiver struct {
-	mu      sync.Mutex
-	inits   []double.NCCLInit
-	updates []double.NCCLUpdate
-	model   *bigram.Model
-}
-
-func (r *receiver) Init(_ context.Context, in double.NCCLInit) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.inits = append(r.inits, in)
-	return nil
-}
-
-func (r *receiver) Receive(_ context.Context, u double.NCCLUpdate) ([]double.Tensor, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.updates = append(r.updates, u)
-	return []double.Tensor{{Name: bigram.TensorName, DType: "float32", Shape: []int64{128, 128}, Data: r.model.Bytes()}}, nil
-}
-
 var logitsUpdate = vllm.UpdateInfo{
 	Names:      []string{bigram.TensorName},
 	DTypeNames: []string{"float32"},
@@ -276,7 +254,7 @@ func TestPayloadPlacement(t *testing.T) {
 		assert.JSONEq(t, updateBC, s.last(t, "/update_weights").Body, "generation %s", gen)
 	}
 
-	rcv := &receiver{model: mustTrain(t, "the cat sat\n")}
+	rcv := &double.RecordingReceiver{Model: mustTrain(t, "the cat sat\n")}
 	s := newServer(t, double.Config{Generation: double.GenD, DevMode: true, Backend: double.BackendNCCL, NCCLReceiver: rcv, WorldSize: 2})
 	c := client(t, s, vllm.Options{})
 	var id ncclid.ID
@@ -288,8 +266,8 @@ func TestPayloadPlacement(t *testing.T) {
 	assert.JSONEq(t, `{"init_info":{"rank_offset":3,"world_size":5,"packed":true,"packed_buffer_size_bytes":4096,"packed_num_buffers":3,"nccl_unique_id_b64":"`+ncclid.EncodeB64(id)+`"}}`,
 		s.last(t, "/init_weight_transfer_engine").Body)
 	assert.Equal(t, id[:], s.NCCLUniqueID())
-	require.Len(t, rcv.inits, 1)
-	assert.Equal(t, []int{3, 4}, rcv.inits[0].Ranks)
+	require.Len(t, rcv.Inits(), 1)
+	assert.Equal(t, []int{3, 4}, rcv.Inits()[0].Ranks)
 
 	require.NoError(t, c.StartWeightUpdate(ctx))
 	assert.Equal(t, `{}`, s.last(t, "/start_weight_update").Body)
@@ -297,12 +275,12 @@ func TestPayloadPlacement(t *testing.T) {
 	assert.JSONEq(t, updateD, s.last(t, "/update_weights").Body)
 	require.NoError(t, c.FinishWeightUpdate(ctx, "step-7"))
 	assert.JSONEq(t, `{"weight_version":"step-7"}`, s.last(t, "/finish_weight_update").Body)
-	require.Len(t, rcv.updates, 1)
+	require.Len(t, rcv.Updates(), 1)
 	assert.Equal(t, double.NCCLUpdate{
 		Names: logitsUpdate.Names, DTypeNames: logitsUpdate.DTypeNames, Shapes: logitsUpdate.Shapes,
 		Bytes: []int64{4 * 128 * 128}, Packed: true, PackedBufferSizeBytes: 4096, PackedNumBuffers: 3,
-	}, rcv.updates[0], "D takes the packed settings from init_info")
-	assert.Equal(t, rcv.model.Checksum(), s.Model().Checksum(), "the received weights serve now")
+	}, rcv.Updates()[0], "D takes the packed settings from init_info")
+	assert.Equal(t, rcv.Model.Checksum(), s.Model().Checksum(), "the received weights serve now")
 	v, err := c.WeightInfo(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, "step-7", v)
@@ -649,7 +627,7 @@ func TestNCCLFlow(t *testing.T) {
 		st.Set(tcpstore.UniqueIDKey, ncclid.Pickle(id))
 
 		trained := mustTrain(t, "the dog ran\n")
-		rcv := &receiver{model: trained}
+		rcv := &double.RecordingReceiver{Model: trained}
 		s := newServer(t, double.Config{Generation: double.Generation(gen), Backend: double.BackendNCCL, DevMode: true, NCCLReceiver: rcv, WorldSize: 2})
 		c := client(t, s, vllm.Options{})
 		top, err := vllm.Fleet{c}.WorldSizes(ctx)
@@ -665,16 +643,16 @@ func TestNCCLFlow(t *testing.T) {
 		assert.Equal(t, id[:], s.NCCLUniqueID())
 		n, _ := st.Get(tcpstore.InitKey)
 		assert.Equal(t, "2", string(n), "one ADD per worker rank")
-		require.Len(t, rcv.inits, 1)
-		assert.Equal(t, []int{1, 2}, rcv.inits[0].Ranks)
-		assert.Equal(t, 3, rcv.inits[0].WorldSize)
+		require.Len(t, rcv.Inits(), 1)
+		assert.Equal(t, []int{1, 2}, rcv.Inits()[0].Ranks)
+		assert.Equal(t, 3, rcv.Inits()[0].WorldSize)
 
 		require.NoError(t, c.StartWeightUpdate(ctx))
 		require.NoError(t, c.UpdateWeights(ctx, logitsUpdate))
 		require.NoError(t, c.FinishWeightUpdate(ctx, "nccl-1"))
-		require.Len(t, rcv.updates, 1)
-		assert.True(t, rcv.updates[0].Packed)
-		assert.Equal(t, int64(4096), rcv.updates[0].PackedBufferSizeBytes, "generation %s: packed settings reach the data plane", gen)
+		require.Len(t, rcv.Updates(), 1)
+		assert.True(t, rcv.Updates()[0].Packed)
+		assert.Equal(t, int64(4096), rcv.Updates()[0].PackedBufferSizeBytes, "generation %s: packed settings reach the data plane", gen)
 		assert.Equal(t, trained.Checksum(), s.Model().Checksum())
 		if gen == vllm.GenB {
 			assert.Equal(t, "1", s.WeightVersion(), "B numbers its updates; it has no finish")

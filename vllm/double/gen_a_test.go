@@ -78,7 +78,7 @@ func (r *bodyRecorder) body(t *testing.T, route string) string {
 func TestGenAWithTheRealClient(t *testing.T) {
 	ctx := context.Background()
 	trained := bigram.Random(11)
-	plane := &fakeDataPlane{model: trained}
+	plane := &double.RecordingReceiver{Model: trained}
 	s := recordBodies(t, double.Config{Generation: double.GenA, DevMode: true, WorldSize: 2, NCCLReceiver: plane})
 
 	probe, err := vllm.New(s.url, vllm.Options{})
@@ -100,15 +100,15 @@ func TestGenAWithTheRealClient(t *testing.T) {
 	assert.Equal(t, id[:], s.NCCLUniqueID())
 	n, _ := st.Get(tcpstore.InitKey)
 	assert.Equal(t, "2", string(n), "one ADD per worker rank")
-	require.Len(t, plane.inits, 1)
-	assert.Equal(t, []int{1, 2}, plane.inits[0].Ranks)
+	require.Len(t, plane.Inits(), 1)
+	assert.Equal(t, []int{1, 2}, plane.Inits()[0].Ranks)
 
 	update := vllm.UpdateInfo{Names: []string{bigram.TensorName}, DTypeNames: []string{"float32"}, Shapes: [][]int64{{128, 128}}, Packed: true}
 	require.NoError(t, c.StartWeightUpdate(ctx), "no sessions on A: no request")
 	require.NoError(t, c.UpdateWeights(ctx, update))
 	assert.JSONEq(t, `{"update_info":{"names":["bigram.logits"],"dtype_names":["float32"],"shapes":[[128,128]],"packed":true}}`,
 		s.body(t, "POST /update_weights"))
-	u := plane.lastUpdate(t)
+	u := lastUpdate(t, plane)
 	assert.True(t, u.Packed)
 	assert.Equal(t, int64(1717986918), u.PackedBufferSizeBytes, "min(2% of the default 80 GiB, 5 GiB)")
 	assert.Equal(t, 2, u.PackedNumBuffers)
@@ -120,7 +120,7 @@ func TestGenAWithTheRealClient(t *testing.T) {
 	require.NoError(t, c.UpdateWeights(ctx, update))
 	assert.JSONEq(t, `{"update_info":{"names":["bigram.logits"],"dtype_names":["float32"],"shapes":[[128,128]]}}`,
 		s.body(t, "POST /update_weights"))
-	assert.False(t, plane.lastUpdate(t).Packed)
+	assert.False(t, lastUpdate(t, plane).Packed)
 	require.NoError(t, c.FinishWeightUpdate(ctx, ""))
 	st2 := s.Stats()
 	assert.Equal(t, 2, st2.Requests["POST /finalize_weight_update"])
@@ -147,13 +147,13 @@ func TestGenAPackedChunkFromGPUMemory(t *testing.T) {
 		{1 << 40, 5 << 30},         // capped
 		{1000, 20},                 // any size works: S > T closes a chunk
 	} {
-		plane := &fakeDataPlane{model: bigram.Random(1)}
+		plane := &double.RecordingReceiver{Model: bigram.Random(1)}
 		s := start(t, double.Config{Generation: double.GenA, DevMode: true, NCCLReceiver: plane, GPUMemoryBytes: c.gpu})
 		st, host, port := trainerStore(t)
 		st.Set(tcpstore.UniqueIDKey, ncclid.Pickle(testID(1)))
 		s.ok("POST", "/init_weight_transfer", initBody(host, port, 1, 2))
 		s.ok("POST", "/update_weights", `{"update_info":{"names":["bigram.logits"],"dtype_names":["float32"],"shapes":[[128,128]],"packed":true}}`)
-		u := plane.lastUpdate(t)
+		u := lastUpdate(t, plane)
 		assert.Equal(t, c.want, u.PackedBufferSizeBytes, "GPU memory %d", c.gpu)
 		assert.Equal(t, 2, u.PackedNumBuffers)
 	}

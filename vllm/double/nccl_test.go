@@ -5,7 +5,6 @@ import (
 	"context"
 	"net"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -153,37 +152,12 @@ func TestNCCLRendezvousFailures(t *testing.T) {
 	}
 }
 
-// fakeDataPlane is a TEST DOUBLE of the NCCL data plane (Config.NCCLReceiver):
-// it records what the double hands it and "receives" model's logits; every
-// other tensor of an update is skipped, as a receiver that loads only the
-// bigram table would.
-type fakeDataPlane struct {
-	mu      sync.Mutex
-	inits   []double.NCCLInit
-	updates []double.NCCLUpdate
-	model   *bigram.Model
-}
-
-func (f *fakeDataPlane) Init(_ context.Context, in double.NCCLInit) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.inits = append(f.inits, in)
-	return nil
-}
-
-func (f *fakeDataPlane) Receive(_ context.Context, u double.NCCLUpdate) ([]double.Tensor, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.updates = append(f.updates, u)
-	return []double.Tensor{{Name: bigram.TensorName, DType: "float32", Shape: []int64{128, 128}, Data: f.model.Bytes()}}, nil
-}
-
-func (f *fakeDataPlane) lastUpdate(t *testing.T) double.NCCLUpdate {
+// lastUpdate is the last update r recorded.
+func lastUpdate(t *testing.T, r *double.RecordingReceiver) double.NCCLUpdate {
 	t.Helper()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	require.NotEmpty(t, f.updates, "the data plane received no update")
-	return f.updates[len(f.updates)-1]
+	u := r.Updates()
+	require.NotEmpty(t, u, "the data plane received no update")
+	return u[len(u)-1]
 }
 
 // fp8 (spec section 8): vLLM broadcasts float8_e4m3fn as NCCL type 10 when
@@ -212,9 +186,9 @@ func TestNCCLDTypesPackedAndNot(t *testing.T) {
 		{"complex64", true, `dtype "complex64" is not a torch dtype the vLLM double knows the item size of`, 0},
 	}
 	servers := map[bool]*testServer{}
-	planes := map[bool]*fakeDataPlane{}
+	planes := map[bool]*double.RecordingReceiver{}
 	for _, packed := range []bool{false, true} {
-		planes[packed] = &fakeDataPlane{model: bigram.Random(5)}
+		planes[packed] = &double.RecordingReceiver{Model: bigram.Random(5)}
 		s := start(t, double.Config{Generation: double.GenD, Backend: double.BackendNCCL, DevMode: true, NCCLReceiver: planes[packed]})
 		s.ok("POST", "/init_weight_transfer_engine", `{"init_info":{"rank_offset":1,"world_size":2,"packed":`+strconv.FormatBool(packed)+
 			`,"nccl_unique_id_b64":"`+ncclid.EncodeB64(testID(4))+`"}}`)
@@ -231,7 +205,7 @@ func TestNCCLDTypesPackedAndNot(t *testing.T) {
 			continue
 		}
 		require.Equal(t, 200, status, "%s packed=%v: %s", r.dtype, r.packed, body)
-		u := plane.lastUpdate(t)
+		u := lastUpdate(t, plane)
 		dt, err := safetensors.DTypeFromTorch(r.dtype)
 		require.NoError(t, err)
 		assert.Equal(t, []int64{4 * 128 * 128, 4 * int64(dt.ItemSize())}, u.Bytes, "%s: prod(shape) x item size (fp8: one byte)", r.dtype)
@@ -252,7 +226,7 @@ func TestNCCLDTypesPackedAndNot(t *testing.T) {
 // must agree on every dtype, or the trainer sends what the double refuses
 // (or the reverse).
 func TestNCCLDTypesAgreeWithThePlan(t *testing.T) {
-	plane := &fakeDataPlane{model: bigram.Random(5)}
+	plane := &double.RecordingReceiver{Model: bigram.Random(5)}
 	s := start(t, double.Config{Generation: double.GenB, Backend: double.BackendNCCL, DevMode: true, NCCLReceiver: plane})
 	st, host, port := trainerStore(t)
 	st.Set(tcpstore.UniqueIDKey, ncclid.Pickle(testID(6)))
@@ -266,6 +240,6 @@ func TestNCCLDTypesAgreeWithThePlan(t *testing.T) {
 			continue
 		}
 		require.Equal(t, 200, status, "%s: the plan sends it, so the double must take it: %s", torch, body)
-		assert.Equal(t, []nccl.DataType{nccl.Float32, want}, plane.lastUpdate(t).NCCLDataTypes, torch)
+		assert.Equal(t, []nccl.DataType{nccl.Float32, want}, lastUpdate(t, plane).NCCLDataTypes, torch)
 	}
 }
