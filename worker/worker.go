@@ -99,7 +99,7 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 	// see each step inside the masking; kept results are the masked ones.
 	interceptors := []interceptor.WorkerInterceptor{acts.Interceptor(), opts.Metrics.Interceptor()}
 	if opts.Reports != nil {
-		opts.Reports.Bind(c, acts, logKept)
+		opts.Reports.Bind(c, acts, LogKept)
 		interceptors = append([]interceptor.WorkerInterceptor{opts.Reports.Interceptor()}, interceptors...)
 	}
 	w := sdkworker.New(c, opts.TaskQueue, sdkworker.Options{
@@ -137,8 +137,8 @@ func NewControl(c client.Client, opts Options) (sdkworker.Worker, error) {
 // schedules may start in its reply; past it, steps go through matching.
 var eagerStartsPerWorkflowTask = 256
 
-// logKept logs what the kept results did.
-func logKept(e activities.KeptEvent) {
+// LogKept logs what a worker's kept results did (activities.Reports).
+func LogKept(e activities.KeptEvent) {
 	attrs := []any{"step", e.Step}
 	if e.Error != nil {
 		attrs = append(attrs, "reason", e.Error)

@@ -62,13 +62,15 @@ func runGPUWorker(ctx context.Context, g *globalFlags, f gpuFlags, cf connectFla
 	if f.envErr != nil {
 		return f.envErr
 	}
-	c, err := dialWorker(ctx, g, cf, m, log)
+	reports := activities.NewReports()
+	defer reports.Close()
+	c, err := dialWorker(ctx, g, cf, m, log, reports.Watch)
 	if err != nil || c == nil {
 		return err
 	}
 	defer c.Close()
 	w, err := gpuworker.New(c, gpuworker.Options{SharedQueue: f.queue, Device: f.device, Advertise: f.advertise,
-		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Roots: roots, Log: log, Metrics: m})
+		NCCLLib: f.ncclLib, CUDARTLib: f.cudartLib, FakeNCCL: f.fakeNCCL, Roots: roots, Log: log, Metrics: m, Reports: reports})
 	if err != nil {
 		return err
 	}

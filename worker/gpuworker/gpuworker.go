@@ -77,6 +77,12 @@ type Options struct {
 	Log *slog.Logger
 	// Metrics observe the transfer steps and acquires (nil: none).
 	Metrics *metrics.Metrics
+	// Reports keeps each transfer step's result until the server
+	// acknowledged it and reports one an outage swallowed, so a finished
+	// broadcast is not sent again (activities.Reports; in memory, the GPU
+	// worker has no log dir). Its Watch must be on c's connection. Nil:
+	// none.
+	Reports *activities.Reports
 }
 
 // GPU is a GPU worker: two Temporal workers in one process and the
@@ -134,13 +140,18 @@ func New(c client.Client, opts Options) (*GPU, error) {
 	// The activities build the fleet from the step context (API keys from
 	// this worker's environment) and hand it to the engine.
 	steps := activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots})
+	// The API keys are masked in all the steps report; the metrics see
+	// each step inside the masking; kept results are the masked ones.
+	interceptors := []interceptor.WorkerInterceptor{steps.Interceptor(), opts.Metrics.Interceptor()}
+	if opts.Reports != nil {
+		opts.Reports.Bind(c, steps, worker.LogKept)
+		interceptors = append([]interceptor.WorkerInterceptor{opts.Reports.Interceptor()}, interceptors...)
+	}
 	g.Host = sdkworker.New(c, g.HostQueue, sdkworker.Options{
 		// One communicator, one transfer at a time: a second broadcast
 		// would interleave its collectives with the first's.
 		MaxConcurrentActivityExecutionSize: 1,
-		// The API keys are masked in all the steps report; the metrics
-		// see each step inside the masking.
-		Interceptors: []interceptor.WorkerInterceptor{steps.Interceptor(), opts.Metrics.Interceptor()},
+		Interceptors:                       interceptors,
 	})
 	worker.RegisterTransferActivities(g.Host, steps)
 
