@@ -91,14 +91,17 @@ func describeServers(ctx context.Context, f vllm.Fleet) []pipelines.VLLMServer {
 	out := make([]pipelines.VLLMServer, len(f))
 	_ = f.Each("describe", func(i int, c *vllm.Client) error {
 		out[i].URL = c.URL()
+		// The generation first: its probe reads /version on the servers
+		// that have sessions, and the client keeps that answer, so Version
+		// then asks only servers whose probe did not.
 		var errs []string
-		v, err := c.Version(ctx)
-		if err != nil {
-			errs = append(errs, "version: "+err.Error())
-		}
 		g, gerr := c.DetectGeneration(ctx)
 		if gerr != nil {
 			errs = append(errs, "api generation: "+gerr.Error())
+		}
+		v, err := c.Version(ctx)
+		if err != nil {
+			errs = append(errs, "version: "+err.Error())
 		}
 		out[i].Version, out[i].API, out[i].Error = v, string(g), strings.Join(errs, "; ")
 		return nil
