@@ -1,0 +1,56 @@
+package trainer
+
+// The snapshot a resident trainer publishes (PROTOCOL.md, "publish"): the
+// description the GPU worker validates and maps before broadcasting from it.
+// The NCCL engine reads it (transfer.UpdateRequest.Snapshot); this package is
+// its one definition.
+
+// The IPC kinds of a snapshot.
+const (
+	// IPCCUDA: Handle holds torch's shareable handle of a cudaMalloc block.
+	IPCCUDA = "cuda"
+	// IPCFakeShm: Path names a shared file standing in for device memory.
+	// A TEST DOUBLE: only nccltest.Fake opens it.
+	IPCFakeShm = "fake_shm"
+)
+
+// Snapshot is one published version of the trainer's weights in device
+// memory another process (the trainer) owns until it is released.
+type Snapshot struct {
+	Version string
+	IPC     string // IPCCUDA or IPCFakeShm
+	Handle  []byte // IPCCUDA: torch's handle bytes (cudaipc.ParseTorchHandle)
+	Path    string // IPCFakeShm: the shared file
+	// StorageBytes is the size of the snapshot's storage (every tensor
+	// lies within it); StorageOffset is where it starts from the base of
+	// the block the handle names.
+	StorageBytes  int64
+	StorageOffset int64
+	Device        int
+	GPUUUID       string
+	Tensors       []Tensor
+	// Owner names the process that exported it (pid and generation): an
+	// opened mapping is reused only for the same owner and handle.
+	Owner string
+	// SnapshotSeconds is how long the trainer was blocked copying.
+	SnapshotSeconds float64
+}
+
+// Tensor is one tensor of a snapshot, in state-dict order.
+type Tensor struct {
+	Name  string
+	DType string // torch attribute name: bfloat16, float32, ...
+	Shape []int64
+	// Offset is in bytes from the snapshot's start (StorageOffset into
+	// the block); Bytes is prod(Shape) x the dtype's item size.
+	Offset, Bytes int64
+}
+
+// Bytes is the snapshot's extent: the end of its last tensor.
+func (s *Snapshot) Bytes() int64 {
+	var end int64
+	for _, t := range s.Tensors {
+		end = max(end, t.Offset+t.Bytes)
+	}
+	return end
+}
