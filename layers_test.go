@@ -24,8 +24,9 @@ var layers = [][]string{
 	{"safetensors", "nccl", "nccl/ncclid", "nccl/tcpstore", "vllm", "gpuhealth", "procs", "redact", "codec"},
 	// The pipeline spec and step registry (whose server-call defaults are
 	// the vLLM client's), NCCL's planner and test double, CUDA IPC import
-	// (over nccl's CUDA runtime), the double's model.
-	{"pipelines", "nccl/plan", "nccl/nccltest", "nccl/cudaipc", "gpuhealth/gpuhealthtest", "vllm/double/bigram"},
+	// (over nccl's CUDA runtime), the double's model, the resident
+	// trainer's protocol and supervisor (over procs).
+	{"pipelines", "nccl/plan", "nccl/nccltest", "nccl/cudaipc", "gpuhealth/gpuhealthtest", "vllm/double/bigram", "trainer"},
 	// The interpreter, the weight-transfer contract with the disk backend,
 	// the staging pipeline, the vLLM double and its trainer, the workers'
 	// metrics (which the activities record into).
