@@ -45,8 +45,50 @@ func newExecRig(t *testing.T) *execRig {
 		for _, pid := range pidFiles(r.dir) {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
+		// A tree that was still forking when the step ended (a setsid'd
+		// grandchild that had not written its pid file yet) would write
+		// into r.dir while t.TempDir removes it: kill every process of
+		// the test's scripts (they carry P=r.dir) until none is left.
+		killScripts(t, "P="+r.dir)
 	})
 	return r
+}
+
+// killScripts SIGKILLs every process whose environment holds env, until
+// none is left (bounded).
+func killScripts(t *testing.T, env string) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var found []int
+		procDirs, _ := os.ReadDir("/proc")
+		for _, d := range procDirs {
+			pid, err := strconv.Atoi(d.Name())
+			if err != nil || pid == os.Getpid() {
+				continue
+			}
+			b, err := os.ReadFile(filepath.Join("/proc", d.Name(), "environ"))
+			if err != nil {
+				continue
+			}
+			for _, kv := range strings.Split(string(b), "\x00") {
+				if kv == env {
+					found = append(found, pid)
+					break
+				}
+			}
+		}
+		if len(found) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("processes %v of the test's scripts would not die", found)
+			return
+		}
+		for _, pid := range found {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func (r *execRig) input(script string) ExecInput {
