@@ -200,17 +200,38 @@ type testBroadcastInput struct {
 	Verify        bool        `json:"verify,omitempty"`
 }
 
+type testTrainInput struct {
+	Context  StepContext    `json:"context"`
+	Rollouts string         `json:"rollouts"`
+	Args     map[string]any `json:"args,omitempty"`
+}
+
+type testPublishInput struct {
+	Context       StepContext `json:"context"`
+	Version       string      `json:"version,omitempty"`
+	DType         string      `json:"dtype,omitempty"`
+	UpdateTimeout Duration    `json:"update_timeout,omitempty"`
+	Verify        bool        `json:"verify,omitempty"`
+}
+
+type testSaveCheckpointInput struct {
+	Context StepContext `json:"context"`
+}
+
 var testInputs = map[string]any{
-	StepGenerate:     testGenerateInput{},
-	StepEvaluate:     testEvaluateInput{},
-	StepExec:         testExecInput{},
-	StepNoop:         testNoopInput{},
-	StepPause:        testPauseInput{},
-	StepResume:       testControlInput{},
-	StepIsPaused:     testControlInput{},
-	StepWorldSize:    testControlInput{},
-	StepInitTransfer: testInitTransferInput{},
-	StepBroadcast:    testBroadcastInput{},
+	StepTrain:          testTrainInput{},
+	StepPublish:        testPublishInput{},
+	StepSaveCheckpoint: testSaveCheckpointInput{},
+	StepGenerate:       testGenerateInput{},
+	StepEvaluate:       testEvaluateInput{},
+	StepExec:           testExecInput{},
+	StepNoop:           testNoopInput{},
+	StepPause:          testPauseInput{},
+	StepResume:         testControlInput{},
+	StepIsPaused:       testControlInput{},
+	StepWorldSize:      testControlInput{},
+	StepInitTransfer:   testInitTransferInput{},
+	StepBroadcast:      testBroadcastInput{},
 }
 
 func TestArgsStructProblemsMirrors(t *testing.T) {

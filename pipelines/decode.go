@@ -6,6 +6,7 @@ import (
 	"math"
 	"reflect"
 	"strconv"
+	"strings"
 
 	"gopkg.in/yaml.v3"
 )
@@ -278,6 +279,32 @@ func (l *loader) decodeField(n *yaml.Node, rv reflect.Value, f *field, path stri
 			case reflect.Struct:
 				l.decodeObject(c, out.Index(i), objectByType[t.Elem()], p)
 			}
+		}
+		rv.Set(out)
+	case reflect.Map:
+		// A mapping of strings (trainer.env): any scalar is taken as the
+		// text written, as step arguments of kind map of strings are.
+		dn := deref(n)
+		if dn.Kind != yaml.MappingNode {
+			l.errNode(n, path, "must be a mapping of strings, got %s", describe(n))
+			return
+		}
+		out := reflect.MakeMap(t)
+		for _, e := range l.entries(dn, path) {
+			p := joinPath(path, e.key)
+			l.pos[p] = e.v
+			dv := deref(e.v)
+			if dv.Kind != yaml.ScalarNode || dv.ShortTag() == "!!null" {
+				l.errNode(e.v, p, "must be a string, got %s", describe(e.v))
+				l.bad[p] = true
+				continue
+			}
+			if !envVarRe.MatchString(e.key) {
+				l.errNode(e.k, p, "key must name an environment variable (%s)", strings.Trim(envVarRe.String(), "^$"))
+				l.bad[p] = true
+				continue
+			}
+			out.SetMapIndex(reflect.ValueOf(e.key), reflect.ValueOf(dv.Value))
 		}
 		rv.Set(out)
 	case reflect.Pointer:

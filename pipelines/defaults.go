@@ -55,6 +55,14 @@ const (
 // init_transfer, vllm.UpdateTimeoutFor for update_weights): the step
 // arguments that set them name those constants rather than copy them.
 
+// DefaultCheckpointEvery is trainer.checkpoint_every's default: a
+// checkpoint after every iteration, so a restart replays nothing.
+const DefaultCheckpointEvery = 1
+
+// DefaultTrainerStartTimeout bounds starting a resident trainer: its
+// process, hello and the load of its last checkpoint.
+const DefaultTrainerStartTimeout = 10 * time.Minute
+
 // DefaultKillGrace is exec's wait between SIGTERM and SIGKILL.
 const DefaultKillGrace = 10 * time.Second
 

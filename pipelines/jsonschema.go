@@ -170,6 +170,9 @@ func goTypeSchema(f *field, t reflect.Type) map[string]any {
 			s["minItems"] = f.minItems
 		}
 		return s
+	case reflect.Map:
+		return map[string]any{"type": "object", "propertyNames": map[string]any{"pattern": envVarRe.String()},
+			"additionalProperties": map[string]any{"type": "string"}}
 	case reflect.Pointer:
 		return map[string]any{"$ref": "#/$defs/" + objectByType[t.Elem()].name}
 	case reflect.Struct:

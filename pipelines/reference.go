@@ -75,6 +75,9 @@ func Reference() string {
 		case t.NeedsServers:
 			w("Needs the pipeline's `servers:`.\n\n")
 		}
+		if t.NeedsTrainer {
+			w("Needs the pipeline's `trainer:`.\n\n")
+		}
 		if len(t.Args) == 0 {
 			w("No arguments.\n\n")
 		} else {
@@ -228,6 +231,8 @@ func refType(f *field, t reflect.Type) string {
 			return "list of strings"
 		}
 		return "list of `" + objectByType[t.Elem()].title + "`"
+	case reflect.Map:
+		return "map of strings"
 	case reflect.Pointer:
 		return "`" + objectByType[t.Elem()].title + "`"
 	case reflect.Struct:

@@ -166,6 +166,22 @@ var weightTransferObj = &object{
 	},
 }
 
+var trainerObj = &object{
+	name: "trainer", title: "trainer",
+	doc: "The run's resident trainer: a process the GPU worker starts on first use and keeps up across iterations, so model and optimizer stay on the GPU; the train, publish and save_checkpoint steps call it (protocol: trainer/PROTOCOL.md; a helper for any torch.nn.Module: trainer/python/rlflow_trainer.py). When it dies, the next step restarts it from its last checkpoint and replays the iterations trained since from their rollouts. Needs weight_transfer backend nccl.",
+	typ: reflect.TypeOf(Trainer{}),
+	fields: []field{
+		{name: "command", required: true, minItems: 1, doc: "argv; the first element is the program, looked up in PATH (or relative to dir when it holds a /)"},
+		{name: "dir", defDoc: "base_dir", doc: "working directory, relative to base_dir"},
+		{name: "env", defDoc: "none", doc: "environment variables set for the trainer; their values are in the pipeline and so in history: name secrets in secrets"},
+		{name: "secrets", pattern: envVarRe, defDoc: "none", doc: "names of variables of the GPU worker's environment the trainer gets with their values; masked as `***` in what the worker reports"},
+		{name: "checkpoint_dir", required: true, doc: "directory of the durable checkpoints and the training journal, relative to base_dir; each run uses `<checkpoint_dir>/<run id>/`"},
+		{name: "checkpoint_every", min: bound(1), max: bound(maxInt32), def: int64(DefaultCheckpointEvery), doc: "train saves a checkpoint after every iteration that is a multiple of this; a restart replays at most this many iterations less one"},
+		{name: "start_timeout", min: seconds(minTimeout), def: Duration(DefaultTrainerStartTimeout), doc: "deadline of starting the trainer: its process, hello and the load of its last checkpoint"},
+		{name: "kill_grace", min: seconds(minTimeout), def: Duration(DefaultKillGrace), doc: "time between SIGTERM and SIGKILL when the trainer is stopped"},
+	},
+}
+
 var loopObj = &object{
 	name: "loop", title: "loop",
 	doc: "How many times the DAG runs. Set iterations, or until with max_iterations; neither means one iteration.",
@@ -230,6 +246,7 @@ var pipelineObj = &object{
 		{name: "params", kind: kindParams, doc: "launch parameters: a mapping from name to param"},
 		{name: "servers", doc: "vLLM servers"},
 		{name: "weight_transfer", doc: "weight transfer settings"},
+		{name: "trainer", doc: "the resident trainer"},
 		{name: "loop", doc: "iteration control"},
 		{name: "metrics", doc: "the run's key outputs, shown in the Temporal UI"},
 		{name: "max_parallel", min: bound(0), max: bound(maxInt32), def: int64(0), defDoc: "unbounded", doc: "most steps of one iteration running at once; 0 means unbounded"},
@@ -239,7 +256,7 @@ var pipelineObj = &object{
 }
 
 // objects is every schema object, in reference order.
-var objects = []*object{pipelineObj, paramObj, serverObj, weightTransferObj, loopObj, metricsObj, defaultsObj, retryObj, stepObj}
+var objects = []*object{pipelineObj, paramObj, serverObj, weightTransferObj, trainerObj, loopObj, metricsObj, defaultsObj, retryObj, stepObj}
 
 var objectByType = map[reflect.Type]*object{}
 

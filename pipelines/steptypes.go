@@ -43,6 +43,9 @@ type StepType struct {
 	// NeedsWeightTransfer: the step moves weights with the pipeline's
 	// weight_transfer backend, so it must be configured.
 	NeedsWeightTransfer bool
+	// NeedsTrainer: the step calls the pipeline's resident trainer, so
+	// trainer: must be declared.
+	NeedsTrainer bool
 }
 
 // Arg returns the spec of the named argument.

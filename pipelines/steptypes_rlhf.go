@@ -24,7 +24,7 @@ const (
 
 // GPUStepTypes are the step types that run where the NCCL communicator
 // lives when the pipeline's weight_transfer.backend is nccl.
-var GPUStepTypes = []string{StepInitTransfer, StepBroadcast}
+var GPUStepTypes = []string{StepInitTransfer, StepBroadcast, StepTrain, StepPublish, StepSaveCheckpoint}
 
 // samplingArgs are shared by generate and evaluate.
 var samplingArgs = []ArgSpec{

@@ -49,6 +49,7 @@ type Pipeline struct {
 	Params         ParamList       `json:"params,omitempty" yaml:"-"`
 	Servers        []Server        `json:"servers,omitempty" yaml:"servers,omitempty"`
 	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty" yaml:"weight_transfer,omitempty"`
+	Trainer        *Trainer        `json:"trainer,omitempty" yaml:"trainer,omitempty"`
 	Loop           Loop            `json:"loop" yaml:"loop"`
 	// Metrics names the outputs the Temporal UI shows and sorts runs by.
 	Metrics *Metrics `json:"metrics,omitempty" yaml:"metrics,omitempty"`
@@ -187,6 +188,25 @@ type WeightTransfer struct {
 	// host-specific queue before that worker is taken for dead and another
 	// is acquired (nccl only; 0 = DefaultGPUStartTimeout).
 	GPUStartTimeout Duration `json:"gpu_start_timeout,omitempty" yaml:"gpu_start_timeout,omitempty"`
+}
+
+// Trainer declares the run's resident trainer: a process the GPU worker
+// starts, keeps up across iterations (model and optimizer stay on the GPU)
+// and restarts from its last durable checkpoint when it dies. The train,
+// publish and save_checkpoint steps call it (trainer/PROTOCOL.md).
+type Trainer struct {
+	Command []string          `json:"command" yaml:"command"`
+	Dir     string            `json:"dir,omitempty" yaml:"dir,omitempty"`
+	Env     map[string]string `json:"env,omitempty" yaml:"env,omitempty"`
+	Secrets []string          `json:"secrets,omitempty" yaml:"secrets,omitempty"`
+	// CheckpointDir holds the run's checkpoints and journal, under
+	// <checkpoint_dir>/<run id>/; relative to base_dir.
+	CheckpointDir string `json:"checkpoint_dir" yaml:"checkpoint_dir"`
+	// CheckpointEvery: train saves a checkpoint after every iteration
+	// that is a multiple of it (0 before defaults: DefaultCheckpointEvery).
+	CheckpointEvery int      `json:"checkpoint_every,omitempty" yaml:"checkpoint_every,omitempty"`
+	StartTimeout    Duration `json:"start_timeout,omitempty" yaml:"start_timeout,omitempty"`
+	KillGrace       Duration `json:"kill_grace,omitempty" yaml:"kill_grace,omitempty"`
 }
 
 // Metrics names a run's key outputs.
@@ -338,6 +358,8 @@ type StepContext struct {
 	Servers []Server `json:"servers,omitempty"`
 	// WeightTransfer is copied from the pipeline for transfer steps.
 	WeightTransfer *WeightTransfer `json:"weight_transfer,omitempty"`
+	// Trainer is copied from the pipeline for the steps that call it.
+	Trainer *Trainer `json:"trainer,omitempty"`
 	// Weights is what the run expects every server to serve: the version
 	// and checkpoint of its last successful broadcast (carried across
 	// iterations); nil before the run's first sync. Generate and evaluate

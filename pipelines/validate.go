@@ -36,6 +36,7 @@ func (l *loader) check(path string) {
 	}
 	l.checkSteps()
 	l.checkWeightTransfer()
+	l.checkTrainer()
 	l.checkCycles()
 	l.checkExprs()
 	l.checkMetrics()
@@ -165,6 +166,28 @@ func (l *loader) checkWeightTransfer() {
 	for i, s := range l.p.Steps {
 		if s.TaskQueue != "" && slices.Contains(GPUStepTypes, s.Uses) {
 			l.errPath(indexPath("steps", i)+".task_queue", "%s steps run on the GPU worker acquired for them with backend nccl; remove task_queue (set weight_transfer.gpu_task_queue to choose the GPU pool)", s.Uses)
+		}
+	}
+}
+
+// checkTrainer checks what the schema cannot: the trainer runs on the GPU
+// worker, which only nccl pipelines acquire, and its secrets are names of
+// the worker's variables, listed once and not also set in env.
+func (l *loader) checkTrainer() {
+	tr := l.p.Trainer
+	if tr == nil {
+		return
+	}
+	if wt := l.p.WeightTransfer; wt == nil || wt.Backend != BackendNCCL {
+		l.errPath("trainer", "a resident trainer runs on the GPU worker, which only pipelines with weight_transfer: {backend: nccl} use")
+	}
+	if !l.bad["trainer.secrets"] && len(tr.Secrets) > 0 {
+		env := map[string]string{}
+		for k := range tr.Env {
+			env[k] = ""
+		}
+		if err := CheckExecSecrets(tr.Secrets, env); err != nil {
+			l.errPath("trainer.secrets", "%v", err)
 		}
 	}
 }
@@ -313,6 +336,9 @@ func (l *loader) checkNeedsConfig(t *StepType, path string) {
 	}
 	if t.NeedsWeightTransfer && l.p.WeightTransfer == nil {
 		l.errPath(path+".uses", "%s steps need the pipeline's weight_transfer: (add weight_transfer: {backend: nccl} or {backend: disk})", t.Name)
+	}
+	if t.NeedsTrainer && l.p.Trainer == nil {
+		l.errPath(path+".uses", "%s steps call the pipeline's resident trainer, but it declares none (add trainer: {command: [...], checkpoint_dir: ...})", t.Name)
 	}
 }
 
