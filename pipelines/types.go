@@ -378,7 +378,10 @@ type StepContext struct {
 // ExpectedWeights are the weights a run's last sync loaded into its servers.
 type ExpectedWeights struct {
 	Version    string `json:"version"`
-	Checkpoint string `json:"checkpoint"` // absolute, as the broadcast resolved it
+	Checkpoint string `json:"checkpoint,omitempty"` // absolute, as the broadcast resolved it
+	// TrainerIteration is set instead of Checkpoint when the resident
+	// trainer published the weights: the iteration it had trained.
+	TrainerIteration int `json:"trainer_iteration,omitempty"`
 }
 
 // StaleServers is the second detail of a StaleWeights error: the servers

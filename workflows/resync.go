@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 
 	"github.com/rlflow/rlflow/pipelines"
@@ -14,7 +15,10 @@ import (
 
 // checksWeights are the step types that check the servers' weights and fail
 // with StaleWeights when a server is not on what the run expects.
-var checksWeights = []string{pipelines.StepGenerate, pipelines.StepEvaluate, pipelines.StepBroadcast}
+var checksWeights = []string{pipelines.StepGenerate, pipelines.StepEvaluate, pipelines.StepBroadcast, pipelines.StepPublish}
+
+// syncs are the step types that load weights into the servers.
+var syncs = []string{pipelines.StepBroadcast, pipelines.StepPublish}
 
 // maxResyncs bounds the re-syncs one step can cause: a server that loses its
 // weights again at once is failing, not restarting.
@@ -30,8 +34,11 @@ func (it *interpreter) stepContext(s *pipelines.Step, servers []pipelines.Server
 	switch s.Uses {
 	case pipelines.StepGenerate, pipelines.StepEvaluate:
 		sc.Weights = it.weights
-	case pipelines.StepBroadcast:
+	case pipelines.StepBroadcast, pipelines.StepPublish:
 		sc.FleetPaused = it.fleetPaused
+	}
+	if slices.Contains(pipelines.TrainerStepTypes, s.Uses) {
+		sc.Trainer = spec.Trainer
 	}
 	return sc
 }
@@ -45,6 +52,11 @@ func (it *interpreter) track(r *stepRun) {
 		ckpt, _ := r.result.Outputs["checkpoint"].(string)
 		if v != "" && ckpt != "" {
 			it.weights = &pipelines.ExpectedWeights{Version: v, Checkpoint: ckpt}
+		}
+	case pipelines.StepPublish:
+		v, _ := r.result.Outputs["version"].(string)
+		if n, ok := outputInt(r.result.Outputs["iteration"]); ok && v != "" {
+			it.weights = &pipelines.ExpectedWeights{Version: v, TrainerIteration: n}
 		}
 	case pipelines.StepPause:
 		it.fleetPaused = true
@@ -64,7 +76,7 @@ func (it *interpreter) recoverStale(ctx workflow.Context, r *stepRun, err error)
 	if !errors.As(err, &app) || app.Type() != pipelines.ErrTypeStaleWeights || r.actCtx == nil || r.resyncs >= maxResyncs {
 		return false
 	}
-	if r.step.Uses != pipelines.StepBroadcast && it.weights == nil {
+	if !slices.Contains(syncs, r.step.Uses) && it.weights == nil {
 		return false // nothing to restore: the run has not synced yet
 	}
 	var attempt pipelines.AttemptDetail
@@ -99,7 +111,7 @@ func (it *interpreter) resyncAndRerun(ctx workflow.Context, r *stepRun, stale []
 	for k, i := range stale {
 		targets[k] = it.servers[i]
 	}
-	if r.step.Uses == pipelines.StepBroadcast {
+	if slices.Contains(syncs, r.step.Uses) {
 		// Found unpaused (restarted, or resumed behind the run's back):
 		// pause them again and broadcast again.
 		if err := it.control(ctx, prefix+"/pause", pipelines.StepPause, targets, map[string]any{"mode": vllm.PauseKeep}); err != nil {
@@ -110,7 +122,7 @@ func (it *interpreter) resyncAndRerun(ctx workflow.Context, r *stepRun, stale []
 	}
 	args := maps.Clone(r.args)
 	sc := it.stepContext(r.step, it.servers)
-	if r.step.Uses == pipelines.StepBroadcast {
+	if slices.Contains(syncs, r.step.Uses) {
 		sc.FleetPaused = true
 	}
 	sc.Rerun = r.resyncs
@@ -151,11 +163,23 @@ func (it *interpreter) resync(ctx workflow.Context, prefix string, stale []pipel
 
 // broadcastLast broadcasts the run's last checkpoint and version to
 // servers, verifying the version, routed as the pipeline's own broadcasts.
+// Weights the resident trainer published are published again, under the
+// expectation (sc.Weights) that the trainer is still at the iteration it
+// published them from: the publish refuses a trainer that trained since.
 func (it *interpreter) broadcastLast(ctx workflow.Context, id string, servers []pipelines.Server) error {
 	s := &pipelines.Step{ID: id, Uses: pipelines.StepBroadcast}
+	if it.weights.TrainerIteration > 0 {
+		s.Uses = pipelines.StepPublish
+	}
 	sc := it.stepContext(s, servers)
 	sc.FleetPaused = true
-	args := map[string]any{pipelines.ContextArg: sc, "checkpoint": it.weights.Checkpoint, "version": it.weights.Version, "verify": true}
+	args := map[string]any{pipelines.ContextArg: sc, "version": it.weights.Version, "verify": true}
+	if s.Uses == pipelines.StepPublish {
+		sc.Weights = it.weights
+		args[pipelines.ContextArg] = sc
+	} else {
+		args["checkpoint"] = it.weights.Checkpoint
+	}
 	opts := activityOptions(it.in.Spec, s)
 	if it.isGPUStep(s) {
 		_, err := it.runGPU(ctx, &stepRun{step: s}, args, opts)
@@ -165,6 +189,20 @@ func (it *interpreter) broadcastLast(ctx workflow.Context, id string, servers []
 }
 
 // control runs a pause or resume on servers with the pipeline's defaults.
+// outputInt reads an integer output as JSON decoded it (float64) or as an
+// activity in the same process returned it.
+func outputInt(v any) (int, bool) {
+	switch n := v.(type) {
+	case float64:
+		return int(n), n == float64(int(n))
+	case int:
+		return n, true
+	case int64:
+		return int(n), true
+	}
+	return 0, false
+}
+
 func (it *interpreter) control(ctx workflow.Context, id, uses string, servers []pipelines.Server, with map[string]any) error {
 	s := &pipelines.Step{ID: id, Uses: uses}
 	args := maps.Clone(with)
