@@ -32,6 +32,9 @@ type Snapshot struct {
 	// Owner names the process that exported it (pid and generation): an
 	// opened mapping is reused only for the same owner and handle.
 	Owner string
+	// Iteration is the trainer's iteration when it published (the last
+	// it trained; 0 before any): what the weights are.
+	Iteration int
 	// SnapshotSeconds is how long the trainer was blocked copying.
 	SnapshotSeconds float64
 }
