@@ -489,16 +489,16 @@ func TestErrorTypes(t *testing.T) {
 	}
 	for _, c := range []string{ErrTypeBadInput, ErrTypeCommandNotFound, ErrTypeOutputMissing, ErrTypeExit, ErrTypeSignal, ErrTypeIO,
 		ErrTypeServerError, ErrTypeServerRejected, ErrTypeNoGPUWorker, ErrTypeNCCL, ErrTypeStaleWeights, ErrTypeGPUWorkerLost, ErrTypeGPUUnavailable,
-		ErrTypeStepFailed, ErrTypeIterationFailed, ErrTypeStartToCloseTimeout, ErrTypeHeartbeatTimeout} {
+		ErrTypeStepFailed, ErrTypeIterationFailed, ErrTypeStartToCloseTimeout, ErrTypeHeartbeatTimeout, ErrTypeTrainerDied, ErrTypeTrainerFailed} {
 		if !seen[c] {
 			t.Errorf("constant %s missing from ErrorTypes", c)
 		}
 	}
-	if len(seen) != 17 {
-		t.Errorf("ErrorTypes has %d entries, the constants 17", len(seen))
+	if len(seen) != 19 {
+		t.Errorf("ErrorTypes has %d entries, the constants 19", len(seen))
 	}
-	// The activities' list before it moved here.
-	want := []string{"BadInput", "CommandNotFound", "OutputMissing", "ServerRejected", "NoGPUWorker"}
+	// The activities' list before it moved here, and the trainer's refusal.
+	want := []string{"BadInput", "CommandNotFound", "OutputMissing", "ServerRejected", "NoGPUWorker", "TrainerFailed"}
 	if got := NonRetryableErrorTypes(); !reflect.DeepEqual(got, want) {
 		t.Errorf("NonRetryableErrorTypes() = %v, want %v", got, want)
 	}

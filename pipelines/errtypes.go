@@ -22,6 +22,8 @@ const (
 	ErrTypeNoGPUWorker     = "NoGPUWorker"     // non-retryable: an nccl step reached a worker without the NCCL path
 	ErrTypeNCCL            = "NCCLError"       // retryable: the NCCL group failed or was lost
 	ErrTypeStaleWeights    = "StaleWeights"    // retryable: a server serves other weights than the run expects; the interpreter re-syncs it first
+	ErrTypeTrainerDied     = "TrainerDied"     // retryable: the resident trainer died or did not start in time; the next attempt restarts it from its last checkpoint
+	ErrTypeTrainerFailed   = "TrainerFailed"   // non-retryable: the resident trainer refused a call, broke its protocol, or cannot be restored
 	ErrTypeGPUWorkerLost   = "GPUWorkerLost"   // a GPU step's worker can no longer serve the run: the interpreter moves the step to another GPU worker
 	ErrTypeGPUUnavailable  = "GPUUnavailable"  // no GPU worker could be acquired (interpreter)
 	ErrTypeStepFailed      = "StepFailed"      // an iteration failed because a step did (interpreter)
@@ -65,6 +67,10 @@ var ErrorTypes = []ErrorType{
 		Doc: "a server refused the request for good (400, 401, 403, 404, 405, 422, ...: a prompt over the context length, a wrong API key, dev-mode routes missing), or the client refused to send it (a payload the server's API generation cannot take)"},
 	{Name: ErrTypeNoGPUWorker, NonRetryable: true, Step: true,
 		Doc: "an nccl transfer step reached a worker without the NCCL weight path (start the worker with `rlflow worker --gpu`); a retry would land on the same task queue"},
+	{Name: ErrTypeTrainerDied, Step: true,
+		Doc: "the resident trainer died (killed, crashed, its GPU worker gone) or did not start in time; the next attempt restarts it from its last checkpoint and replays the iterations since"},
+	{Name: ErrTypeTrainerFailed, NonRetryable: true, Step: true,
+		Doc: "the resident trainer refused the call (its own error, e.g. an exception in the train step), broke the protocol, or cannot be restored (a journalled iteration's rollouts are gone); its log on the GPU worker has the details"},
 	{Name: ErrTypeNCCL, Step: true,
 		Doc: "the NCCL group failed or was lost; the next attempt re-initialises the group"},
 	{Name: ErrTypeStaleWeights, Step: true,
