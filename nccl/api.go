@@ -1,6 +1,9 @@
 package nccl
 
-import "time"
+import (
+	"errors"
+	"time"
+)
 
 // API is the slice of NCCL and the CUDA runtime that rlflow uses, one method
 // per C function (names without the nccl/cuda prefix). *Library implements it
@@ -107,3 +110,46 @@ type CommConfig struct {
 	// of blocking, so that a peer that never comes can be given up on.
 	Blocking bool
 }
+
+// The kinds of IPCHandle: how another process exported the device memory.
+// They are the values of the resident trainer's publish reply field "ipc"
+// (trainer/PROTOCOL.md); package trainer spells them with these constants.
+const (
+	// IPCCUDA: Mem is a cudaIpcMemHandle_t of a cudaMalloc block
+	// (cudaIpcGetMemHandle in the exporter).
+	IPCCUDA = "cuda"
+	// IPCFakeShm: Path names a shared file standing in for device memory.
+	// A TEST DOUBLE: only nccltest.Fake opens it.
+	IPCFakeShm = "fake_shm"
+)
+
+// IPCHandle names device memory that another process on this host exported.
+// It is comparable: equal handles name the same memory, so a caller may
+// cache what it opened by handle.
+type IPCHandle struct {
+	Kind string // IPCCUDA or IPCFakeShm
+	// Mem (IPCCUDA) is the 64-byte cudaIpcMemHandle_t of the block's base.
+	Mem [64]byte
+	// Path and Bytes (IPCFakeShm): the shared file and how many of its
+	// bytes, from its start, stand for the block (the block's size).
+	Path  string
+	Bytes int64
+}
+
+// IPCImporter maps device memory another process exported into this
+// process: cudaipc.Importer for CUDA IPC handles on a GPU, nccltest.Fake
+// for its fake_shm TEST DOUBLE. Both methods run on a thread whose current
+// device is the memory's device, inside Device.Do. The pointer OpenIPC
+// returns is the base of the exported block, valid on every thread of the
+// process until CloseIPC(p); the exporter keeps the memory alive until then
+// (the importer never frees it). An importer that does not open h's Kind
+// returns an error matching ErrIPCKind.
+type IPCImporter interface {
+	OpenIPC(h IPCHandle) (DevPtr, error)
+	CloseIPC(p DevPtr) error
+}
+
+// ErrIPCKind marks an IPCImporter's refusal of a handle kind it cannot open
+// (a fake_shm handle on a real GPU, a CUDA handle in the test double): a
+// request that can never work on this process.
+var ErrIPCKind = errors.New("nccl: IPC handle of a kind this importer does not open")

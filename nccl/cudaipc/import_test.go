@@ -132,3 +132,21 @@ func TestImporterMissingSymbol(t *testing.T) {
 		t.Fatalf("got %v", err)
 	}
 }
+
+// The nccl.IPCImporter adapter reaches the runtime with the handle's bytes.
+func TestOpenIPCThroughStubRuntime(t *testing.T) {
+	im, err := load(buildStub(t), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := im.OpenIPC(nccl.IPCHandle{Kind: nccl.IPCCUDA, Mem: stubHandle()})
+	if err != nil || p == 0 {
+		t.Fatalf("OpenIPC: %#x, %v", p, err)
+	}
+	if err := im.CloseIPC(p); err != nil {
+		t.Fatalf("CloseIPC: %v", err)
+	}
+	if _, err := im.OpenIPC(nccl.IPCHandle{Kind: nccl.IPCCUDA}); !errors.Is(err, nccl.CudaErrorInvalidHandle) {
+		t.Fatalf("OpenIPC of a handle the runtime rejects: %v", err)
+	}
+}

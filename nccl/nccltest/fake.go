@@ -184,14 +184,24 @@ func (f *Fake) DeviceBytes(p nccl.DevPtr, n int) ([]byte, error) {
 	return append([]byte(nil), b...), nil
 }
 
-// Leaks describes every device allocation, pinned host allocation, stream,
-// event and communicator still alive, or returns "" when there are none.
+// Leaks describes every device allocation, IPC mapping, pinned host
+// allocation, stream, event and communicator still alive, or returns ""
+// when there are none.
 func (f *Fake) Leaks() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var parts []string
-	if n := len(f.allocs); n > 0 {
+	mappings := 0
+	for _, a := range f.allocs {
+		if a.ipc != nil {
+			mappings++
+		}
+	}
+	if n := len(f.allocs) - mappings; n > 0 {
 		parts = append(parts, fmt.Sprintf("%d device allocations", n))
+	}
+	if mappings > 0 {
+		parts = append(parts, fmt.Sprintf("%d IPC mappings", mappings))
 	}
 	if n := len(f.hostMem); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d pinned host allocations", n))

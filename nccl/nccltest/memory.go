@@ -14,6 +14,9 @@ type fakeAlloc struct {
 	dev  int
 	base uintptr
 	mem  []byte
+	// ipc is set for a fake_shm mapping OpenIPC made (mem is the mapping):
+	// the exporter's memory, not counted as this device's and not freed.
+	ipc *fakeIPC
 }
 
 // Fake device addresses: device d's allocations live at (d+1)<<40 + offset,
@@ -78,6 +81,9 @@ func (f *Fake) Free(p nccl.DevPtr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for i, a := range f.allocs {
+		if a.base == uintptr(p) && a.ipc != nil {
+			return &nccl.Error{Func: "cudaFree", Code: nccl.CudaErrorInvalidValue, Detail: fmt.Sprintf("%#x is an IPC mapping (close it with CloseIPC)", uintptr(p))}
+		}
 		if a.base == uintptr(p) {
 			f.used[a.dev] -= uint64(len(a.mem))
 			f.allocs = append(f.allocs[:i], f.allocs[i+1:]...)
