@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/trainer"
 	"github.com/rlflow/rlflow/vllm"
 )
 
@@ -78,14 +79,22 @@ type InitResult struct {
 	Methods []string
 }
 
-// UpdateRequest loads a checkpoint into the servers.
+// UpdateRequest loads a checkpoint, or a resident trainer's snapshot, into
+// the servers. Exactly one of Checkpoint and Snapshot is set.
 type UpdateRequest struct {
 	Target
 	// Checkpoint is an absolute path: a safetensors file, or a directory
 	// of one (single or sharded with model.safetensors.index.json).
 	Checkpoint string
-	// DType is "keep", "bfloat16" or "float16": float32 tensors are
-	// narrowed on the way (nccl only; the disk backend loads as stored).
+	// Snapshot is a resident trainer's published weights in its GPU memory
+	// (trainer/PROTOCOL.md "publish"), which the trainer keeps intact until
+	// it is released, after Update returned. Only the nccl backend
+	// broadcasts from one, straight from the trainer's memory (CUDA IPC).
+	Snapshot *trainer.Snapshot
+	// DType is "keep", "bfloat16" or "float16": float32 tensors of a
+	// checkpoint are narrowed on the way (nccl only; the disk backend
+	// loads as stored). A snapshot's tensors are sent as they are, the
+	// trainer cast them when it published: DType only has to agree.
 	DType string
 	// Version is the weight version the servers record (C, D).
 	Version string
@@ -105,7 +114,12 @@ type UpdateRequest struct {
 type UpdateResult struct {
 	Bytes   int64
 	Tensors int
-	Group   string
+	// Source is what was sent: SourceCheckpoint or SourceSnapshot.
+	Source string
+	// Opened says this update mapped the snapshot's memory (the first
+	// from this trainer's snapshot buffer); later ones reuse the mapping.
+	Opened bool
+	Group  string
 	// Initialized says the update had to (re)initialise the group first.
 	Initialized bool
 	// Methods name, per server, how it took the weights (see
@@ -114,6 +128,12 @@ type UpdateResult struct {
 	// Elapsed is the update itself, without an init it needed first.
 	Elapsed time.Duration
 }
+
+// The sources of an update (UpdateResult.Source).
+const (
+	SourceCheckpoint = "checkpoint"
+	SourceSnapshot   = "snapshot"
+)
 
 // GroupKey names the group of a target: the run, and the servers in rank
 // order with their generation pins.

@@ -1,7 +1,9 @@
 // Package ncclengine is the NCCL weight-transfer backend: the GPU worker's
 // rank 0, which broadcasts a checkpoint from its GPU to the vLLM servers'
 // workers over NCCL, staging the bytes through pinned host memory
-// (nccl/staging). It implements transfer.Engine.
+// (nccl/staging), or a resident trainer's snapshot straight from the
+// trainer's GPU memory, mapped with CUDA IPC (resident.go). It implements
+// transfer.Engine.
 //
 // Invariants:
 //
@@ -17,7 +19,13 @@
 //     poisoned it: an NCCL failure is never retried on the same
 //     communicator. Every (re)initialisation binds a fresh TCPStore port.
 //   - The update_info sent to the servers and the broadcasts come from the
-//     same staging.Update, so metadata and bytes cannot disagree.
+//     same plan (staging.Update, or a snapshot's layout), so metadata and
+//     bytes cannot disagree. Checkpoint and snapshot updates share
+//     everything but the data plane (runUpdate).
+//   - A snapshot is mapped once per run and trainer buffer (owner and
+//     handle) and stays mapped across updates, failed ones included, until
+//     the run's trainer changes or CloseSnapshot or Close; when Update
+//     returns, no broadcast reads it any more.
 //   - Nothing waits without a way out: an HTTP failure during a broadcast
 //     aborts the communicator at once, an NCCL failure cancels the HTTP
 //     calls, and the whole update runs under a deadline. After a failure,
@@ -74,6 +82,10 @@ type Config struct {
 	Staging staging.Options
 	// Comm options for the communicators (poll intervals).
 	Comm []nccl.CommOption
+	// IPC maps a resident trainer's snapshot into this process:
+	// cudaipc.Importer on a GPU, the nccltest.Fake test double with it.
+	// nil: an update from a snapshot is refused (BadInput).
+	IPC nccl.IPCImporter
 }
 
 // Engine is the GPU worker's NCCL backend. It is safe for concurrent use;
@@ -83,6 +95,8 @@ type Engine struct {
 
 	mu     sync.Mutex // guards groups
 	groups map[string]*group
+
+	snapshots residents // the resident trainers' mapped snapshots
 }
 
 var _ transfer.Engine = (*Engine)(nil)
@@ -92,7 +106,7 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.API == nil {
 		return nil, errors.New("ncclengine: Config.API is required")
 	}
-	return &Engine{cfg: cfg, groups: map[string]*group{}}, nil
+	return &Engine{cfg: cfg, groups: map[string]*group{}, snapshots: residents{runs: map[string]*resident{}}}, nil
 }
 
 // DefaultStagingNeed is the device memory the staging buffers take with
@@ -282,8 +296,9 @@ func (e *Engine) releaseIdlePipelines(g *group) {
 	}
 }
 
-// Close closes every group: communicators, pipelines and their pinned
-// memory. The Engine must not be used afterwards.
+// Close closes every group (communicators, pipelines and their pinned
+// memory), then every snapshot mapping. The Engine must not be used
+// afterwards. The error is that of closing a mapping.
 func (e *Engine) Close() error {
 	e.mu.Lock()
 	gs := e.groups
@@ -296,7 +311,7 @@ func (e *Engine) Close() error {
 		g.closePipe()
 		g.mu.Unlock()
 	}
-	return nil
+	return e.closeSnapshots()
 }
 
 // ---- health ----
@@ -506,9 +521,16 @@ func wireDType(dtype string) (func(safetensors.TensorInfo) safetensors.DType, er
 	return nil, transfer.BadInputf("dtype %q, want keep, bfloat16 or float16", dtype)
 }
 
-// Update broadcasts a checkpoint to every server of the group,
-// initialising the group first when it is missing or poisoned.
+// Update broadcasts a checkpoint, or a resident trainer's snapshot
+// (updateSnapshot), to every server of the group, initialising the group
+// first when it is missing or poisoned.
 func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transfer.UpdateResult, error) {
+	switch {
+	case req.Snapshot != nil && req.Checkpoint != "":
+		return transfer.UpdateResult{}, transfer.BadInputf("an update has a checkpoint or a snapshot, not both")
+	case req.Snapshot != nil:
+		return e.updateSnapshot(ctx, req)
+	}
 	wire, err := wireDType(req.DType)
 	if err != nil {
 		return transfer.UpdateResult{}, err
@@ -525,7 +547,7 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 	}
 	// Before anything reaches a server (even a first broadcast's init):
 	// a layout vLLM cannot unpack, or fp8 the loaded NCCL lacks.
-	if err := e.checkReceivable(u); err != nil {
+	if err := e.checkReceivable(u.Tensors, pk); err != nil {
 		return transfer.UpdateResult{}, err
 	}
 	meta, err := u.Metadata()
@@ -535,53 +557,48 @@ func (e *Engine) Update(ctx context.Context, req transfer.UpdateRequest) (transf
 
 	g := e.begin(req.Target, req.Progress)
 	defer g.end()
-	total := u.Bytes()
-	req.Progress.SetTotal(total)
-
-	res := transfer.UpdateResult{}
-	if g.comm == nil || g.comm.Err() != nil || g.packing != pk {
-		master := g.master
-		if master == "" {
-			master = e.cfg.Advertise
-		}
-		if master == "" {
-			return transfer.UpdateResult{}, transfer.BadInputf("broadcast needs a transfer group and there is no master address: run init_transfer with master_address first or start the GPU worker with --advertise")
-		}
-		if req.InitTimeout <= 0 {
-			return transfer.UpdateResult{}, transfer.BadInputf("init timeout %v must be positive", req.InitTimeout)
-		}
-		if err := e.init(ctx, g, req.Fleet, pk, req.Settings.Rendezvous, master, 0, req.InitTimeout); err != nil {
-			return transfer.UpdateResult{}, err
-		}
-		res.Initialized = true
+	req.Progress.SetTotal(u.Bytes())
+	initialized, err := e.ensureGroup(ctx, g, req, pk)
+	if err != nil {
+		return transfer.UpdateResult{}, err
 	}
 	if err := e.ensurePipeline(ctx, g, staging.MaxChunk(u.Chunks), req.Settings.NumBuffers); err != nil {
 		return transfer.UpdateResult{}, err
 	}
-
-	timeout := req.Timeout
-	if timeout <= 0 {
-		timeout = vllm.UpdateTimeoutFor(total)
-	}
-	info := vllm.UpdateInfo{
-		Names: meta.Names, DTypeNames: meta.DTypeNames, Shapes: meta.Shapes,
-		Packed: pk.packed, PackedBufferSizeBytes: pk.threshold, PackedNumBuffers: pk.buffers,
-		CheckpointBytes: total,
-	}
-	g.setPhase("broadcast")
-	start := time.Now()
-	sent, err := e.update(ctx, g, req.Fleet, ck, u, info, req.Version, timeout, res.Initialized, req.Progress)
+	res, err := e.runUpdate(ctx, g, req, meta, pk, u.Bytes(), initialized, func(ctx context.Context, comm *nccl.Comm) (sent, error) {
+		r, err := g.pipe.Broadcast(ctx, comm, ck, u.Chunks)
+		return sent{bytes: r.Bytes, tensors: r.Tensors}, err
+	})
 	if p := g.pipe; p != nil && p.Err() != nil {
 		g.closePipe()
 	}
 	if err != nil {
-		if g.comm != nil && g.comm.Err() != nil {
-			g.dropComm(nil) // the next attempt re-initialises
-		}
 		return transfer.UpdateResult{}, err
 	}
-	res.Bytes, res.Tensors, res.Group, res.Elapsed, res.Methods = sent.Bytes, sent.Tensors, g.name(), time.Since(start), g.methods
+	res.Source = transfer.SourceCheckpoint
 	return res, nil
+}
+
+// ensureGroup (re)initialises the locked group g for req when it has no
+// healthy communicator or its packing changed, and says whether it did.
+func (e *Engine) ensureGroup(ctx context.Context, g *group, req transfer.UpdateRequest, pk packing) (bool, error) {
+	if g.comm != nil && g.comm.Err() == nil && g.packing == pk {
+		return false, nil
+	}
+	master := g.master
+	if master == "" {
+		master = e.cfg.Advertise
+	}
+	if master == "" {
+		return false, transfer.BadInputf("broadcast needs a transfer group and there is no master address: run init_transfer with master_address first or start the GPU worker with --advertise")
+	}
+	if req.InitTimeout <= 0 {
+		return false, transfer.BadInputf("init timeout %v must be positive", req.InitTimeout)
+	}
+	if err := e.init(ctx, g, req.Fleet, pk, req.Settings.Rendezvous, master, 0, req.InitTimeout); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // ensurePipeline gives g a pipeline whose buffers hold need bytes,

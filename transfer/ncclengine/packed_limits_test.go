@@ -196,10 +196,10 @@ func TestFP8NonPackedLayout(t *testing.T) {
 		t.Fatalf("fp8 chunk %+v", fp8)
 	}
 	e := &Engine{cfg: Config{API: nccltest.NewFake(nccltest.Config{})}}
-	if err := e.checkReceivable(u); err != nil {
+	if err := e.checkReceivable(u.Tensors, packing{}); err != nil {
 		t.Fatalf("NCCL 2.28.3: %v", err)
 	}
-	if err := (&Engine{cfg: Config{API: oldNCCL{nccltest.NewFake(nccltest.Config{})}}}).checkReceivable(u); kindOf(err) != transfer.BadInput {
+	if err := (&Engine{cfg: Config{API: oldNCCL{nccltest.NewFake(nccltest.Config{})}}}).checkReceivable(u.Tensors, packing{}); kindOf(err) != transfer.BadInput {
 		t.Fatalf("NCCL 2.23.4: %v", err)
 	}
 }
