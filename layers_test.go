@@ -29,8 +29,9 @@ var layers = [][]string{
 	{"pipelines", "nccl/plan", "nccl/nccltest", "nccl/cudaipc", "gpuhealth/gpuhealthtest", "vllm/double/bigram", "trainer"},
 	// The interpreter, the weight-transfer contract with the disk backend,
 	// the staging pipeline, the vLLM double and its trainer, the workers'
-	// metrics (which the activities record into).
-	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain", "metrics"},
+	// metrics (which the activities record into), the resident trainer's test
+	// double.
+	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain", "metrics", "trainer/trainertest"},
 	// The activities, the NCCL engine (GPU workers only), run control, the
 	// dev server, run reports.
 	{"activities", "transfer/ncclengine", "runs", "devserver", "report"},
