@@ -67,17 +67,27 @@ func encodeRequest(id int64, op string, fields map[string]any) ([]byte, error) {
 	return append(b, '\n'), nil
 }
 
-// frameRef names the reply to one request in messages.
+// frameRef names the reply to one request in messages; what is the call
+// it belongs to ("train of iteration 3"), the messages' context.
 type frameRef struct {
-	op string
-	id int64
+	op   string
+	id   int64
+	what string
 }
 
 func (f frameRef) String() string { return fmt.Sprintf("reply to %s (id %d)", f.op, f.id) }
 
+// prefix is the context of f's messages.
+func (f frameRef) prefix() string {
+	if f.what == "" {
+		return ""
+	}
+	return f.what + ": "
+}
+
 // protocolError is a Protocol error about the frame f.
 func (f frameRef) protocolError(format string, args ...any) *Error {
-	return &Error{Kind: Protocol, Msg: "trainer protocol: " + f.String() + ": " + fmt.Sprintf(format, args...)}
+	return &Error{Kind: Protocol, Msg: f.prefix() + "trainer protocol: " + f.String() + ": " + fmt.Sprintf(format, args...)}
 }
 
 // reply is one decoded reply frame whose id matched and whose ok was true;
@@ -116,7 +126,7 @@ func decodeReply(ref frameRef, line []byte) (*reply, error) {
 		if err != nil {
 			return nil, err
 		}
-		return nil, &Error{Kind: Refused, Msg: "refused by the trainer: " + truncate(text, maxRefusalText)}
+		return nil, &Error{Kind: Refused, Msg: ref.prefix() + "refused by the trainer: " + truncate(text, maxRefusalText)}
 	}
 	return r, nil
 }

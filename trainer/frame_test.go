@@ -136,7 +136,7 @@ func TestValidRepliesDecode(t *testing.T) {
 	require.NoError(t, decodeAs("hello", okHello+"  "))
 	require.NoError(t, decodeAs("train", `{"id":7,"ok":true,"iteration":3,"metrics":{"loss":0.5,"n":2},"seconds":1,"step_done_unix":1.5,"new_field":[1]}`),
 		"an unknown key in a reply is ignored")
-	r, err := decodeReply(frameRef{"publish", 7}, []byte(publishWith(twoTensors)))
+	r, err := decodeReply(frameRef{op: "publish", id: 7}, []byte(publishWith(twoTensors)))
 	require.NoError(t, err)
 	s, err := decodePublish(r)
 	require.NoError(t, err)

@@ -261,7 +261,7 @@ func (m *Manager) restore(ctx context.Context, runID string, spec Spec, rs *Rest
 	}
 	p.helloPID, p.iteration = int(h.PID), int(h.Iteration)
 	if ckpt != "" {
-		r, err := p.call(startCtx, "load of "+ckpt, "load", map[string]any{"path": ckpt})
+		r, err := p.call(startCtx, "load", "load", map[string]any{"path": ckpt})
 		var e *Error
 		if errors.As(err, &e) && e.Kind == Refused {
 			return p, errorf(Lost, err, "checkpoint %s is unreadable", ckpt)

@@ -250,7 +250,7 @@ func (p *proc) call(ctx context.Context, what, op string, fields map[string]any)
 		return nil, errorf(Died, err, "%s: not sent", what)
 	}
 	p.nextID++
-	ref := frameRef{op: op, id: p.nextID}
+	ref := frameRef{op: op, id: p.nextID, what: what}
 	line, err := encodeRequest(ref.id, op, fields)
 	if err != nil {
 		return nil, errorf(BadInput, err, "%s: encoding the request", what)

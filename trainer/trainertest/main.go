@@ -271,7 +271,7 @@ func (f *fake) handle(line []byte) (map[string]any, string) {
 	}
 	out, err := f.do(req)
 	if err != nil {
-		return map[string]any{"id": req.id, "ok": false, "error": fmt.Sprintf("%s: %v", req.op, err)}, req.op
+		return map[string]any{"id": req.id, "ok": false, "error": err.Error()}, req.op
 	}
 	out["id"], out["ok"] = req.id, true
 	return out, req.op
