@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -679,4 +680,50 @@ func TestTheTrainerDiesWithItsWorker(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	assert.False(t, id.Alive(), "the trainer outlived its worker")
+}
+
+// TestATrainerOutlivesTheThreadThatStartedIt: Pdeathsig follows the
+// forking thread, and a goroutine that exits locked ends its thread; the
+// trainer must not die with it.
+func TestATrainerOutlivesTheThreadThatStartedIt(t *testing.T) {
+	m := trainer.NewManager(trainer.Options{})
+	t.Cleanup(func() { _ = m.Close(context.Background()) })
+	spec := newSpec(t, roleFake, 5)
+	ro := rolloutFiles(t, 2)
+	type started struct {
+		tid int
+		err error
+	}
+	done := make(chan started, 1)
+	for s := (started{}); s.tid == 0; {
+		go func() {
+			runtime.LockOSThread()
+			if syscall.Gettid() == os.Getpid() {
+				// The main thread is never ended; try another.
+				runtime.UnlockOSThread()
+				done <- started{}
+				return
+			}
+			// Never unlocked: the thread ends with the goroutine.
+			_, err := m.Train(context.Background(), "r1", spec, trainer.TrainRequest{Iteration: 1, Rollouts: ro[0]})
+			done <- started{syscall.Gettid(), err}
+		}()
+		s = <-done
+		require.NoError(t, s.err)
+		if s.tid == 0 {
+			continue
+		}
+		task := fmt.Sprintf("/proc/self/task/%d", s.tid)
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) { // the runtime ends the thread after the goroutine returned
+			if _, err := os.Stat(task); errors.Is(err, os.ErrNotExist) {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		require.NoDirExists(t, task, "the thread that started the trainer ended")
+	}
+	res, err := m.Train(context.Background(), "r1", spec, trainer.TrainRequest{Iteration: 2, Rollouts: ro[1]})
+	require.NoError(t, err)
+	assert.Nil(t, res.Restart, "the trainer still runs")
 }
