@@ -506,11 +506,13 @@ func (m *Manager) Publish(ctx context.Context, runID string, spec Spec, version,
 		return nil, rs, within(p.protocolFault(bad), "run %s", runID)
 	}
 	s.Owner = fmt.Sprintf("pid %d generation %d", p.helloPID, p.generation)
+	p.published = version
 	return s, rs, nil
 }
 
 // Release tells the trainer the worker is done with version's snapshot. A
-// trainer that is gone has nothing to release: no error.
+// trainer that is gone, or a later generation that did not publish it, has
+// nothing to release: no error.
 func (m *Manager) Release(ctx context.Context, runID, version string) error {
 	if m.lookup(runID) == nil {
 		return nil
@@ -521,11 +523,14 @@ func (m *Manager) Release(ctx context.Context, runID, version string) error {
 	}
 	defer m.release(r)
 	p := r.live()
-	if p == nil {
+	if p == nil || p.published != version {
 		return nil
 	}
-	_, err = p.call(ctx, fmt.Sprintf("release of version %s", version), "release", map[string]any{"version": version})
-	return within(err, "run %s", runID)
+	if _, err := p.call(ctx, fmt.Sprintf("release of version %s", version), "release", map[string]any{"version": version}); err != nil {
+		return within(err, "run %s", runID)
+	}
+	p.published = ""
+	return nil
 }
 
 // Stop ends the run's trainer: a shutdown request, then the kill of its

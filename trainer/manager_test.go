@@ -623,6 +623,8 @@ func TestATrainerThatDiesWhileIdleIsRestartedByTheNextCall(t *testing.T) {
 	ro := rolloutFiles(t, 2)
 	_, err := m.Train(context.Background(), "r1", spec, trainer.TrainRequest{Iteration: 1, Rollouts: ro[0]})
 	require.NoError(t, err)
+	_, _, err = m.Publish(context.Background(), "r1", spec, "v1", trainer.DTypeKeep) // not released before the death
+	require.NoError(t, err)
 	pid, _, _ := m.Running("r1")
 	exited := trainer.Exited(m, "r1")
 	require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
@@ -635,6 +637,9 @@ func TestATrainerThatDiesWhileIdleIsRestartedByTheNextCall(t *testing.T) {
 	require.NotNil(t, res.Restart)
 	assert.Equal(t, trainer.Restart{Generation: 2, Cause: fmt.Sprintf("trainer pid %d killed by signal 9 while idle", pid),
 		Replayed: []int{1}, Seconds: res.Restart.Seconds}, *res.Restart)
+	require.NoError(t, m.Release(context.Background(), "r1", "v1"), "v1's snapshot went with generation 1: nothing to release")
+	_, _, err = m.Publish(context.Background(), "r1", spec, "v2", trainer.DTypeKeep)
+	require.NoError(t, err)
 }
 
 func TestAStartPastStartTimeoutIsATimeout(t *testing.T) {

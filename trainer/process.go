@@ -50,8 +50,9 @@ type proc struct {
 
 	// Under the run's lock (one call at a time).
 	nextID    int64
-	iteration int // the trainer's last trained iteration
-	helloPID  int // the pid hello named
+	iteration int    // the trainer's last trained iteration
+	helloPID  int    // the pid hello named
+	published string // the version this process published and was not told to release ("" none)
 
 	mu       sync.Mutex
 	busy     string // what the call in flight does ("train of iteration 3"), "" idle
