@@ -33,6 +33,9 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# cuBLAS reads it when its first handle is made: before torch is imported
+# (the deterministic round trip needs it).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import rlflow_trainer as rt  # noqa: E402
 
@@ -100,6 +103,10 @@ class Driver:
             pass
         try:
             return self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # the trainer this Driver started
+            self.proc.wait()
+            raise AssertionError("the trainer did not exit within %ds of end of file" % self.timeout)
         finally:
             if not self.replies.closed:
                 self.replies.close()
@@ -574,10 +581,17 @@ def tiny_model(dev, seed):
             self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
         def forward(self, x):
-            h = self.drop(torch.tanh(self.proj(self.embed(x)))) * self.scale.float()
+            # The lookup as a one-hot product: every op here has a
+            # deterministic CUDA kernel (use_deterministic_algorithms).
+            h = one_hot(x, 32) @ self.embed.weight
+            h = self.drop(torch.tanh(self.proj(h))) * self.scale.float()
             return self.out(h)
 
     return Tiny().to(dev)
+
+
+def one_hot(ids, n):
+    return (ids.unsqueeze(-1) == torch.arange(n, device=ids.device)).float()
 
 
 def tiny_train_step(model, opt, batch, args):
@@ -597,7 +611,8 @@ def tiny_train_step(model, opt, batch, args):
         pass
     model.train()
     logits = model(toks[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), toks[:, 1:].reshape(-1)) * (1 + 0.1 * noise)
+    nll = -(logits.log_softmax(-1) * one_hot(toks[:, 1:], 32)).sum(-1).mean()
+    loss = nll * (1 + 0.1 * noise)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
