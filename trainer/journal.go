@@ -108,7 +108,9 @@ func pruneJournal(dir string, iteration int) error {
 	}
 	var b bytes.Buffer
 	for _, l := range lines {
-		if l.Iteration <= iteration {
+		// LATEST's own line stays: a retried train of the iteration just
+		// checkpointed is answered from it, not refused as a gap.
+		if l.Iteration < iteration {
 			continue
 		}
 		text, err := json.Marshal(l)

@@ -21,6 +21,10 @@ type Options struct {
 	IdleTimeout time.Duration
 	// Log receives starts, restarts and stops (nil: none).
 	Log *slog.Logger
+	// OnStop is called with the run's id after its trainer was stopped
+	// (idle, Stop, Close): what the worker holds of it, such as the NCCL
+	// engine's mapping of its snapshot, can go.
+	OnStop func(runID string)
 }
 
 // Manager supervises the resident trainers of the runs on this worker.
@@ -169,6 +173,9 @@ func (m *Manager) stopProc(ctx context.Context, r *run, why string) error {
 	r.gone = p.goneCause()
 	r.setCurrent(nil)
 	m.log.Info("trainer stopped", "run", r.id, "pid", p.pid(), "generation", p.generation, "cause", r.gone)
+	if m.opts.OnStop != nil {
+		m.opts.OnStop(r.id)
+	}
 	return within(err, "run %s", r.id)
 }
 
@@ -358,6 +365,12 @@ func (m *Manager) Train(ctx context.Context, runID string, spec Spec, req TrainR
 	}
 	t, err := m.trainOnce(ctx, p, "train of iteration", req.Iteration, req.Rollouts, args)
 	if err != nil {
+		if e := (*Error)(nil); errors.As(err, &e) && e.Kind == Refused {
+			// Its train step failed part way: the model may be half
+			// updated. End it, so the next call restores and replays
+			// instead of training on top.
+			_ = p.end("its train was refused")
+		}
 		return res, within(err, "run %s", runID)
 	}
 	line := journalLine{Iteration: req.Iteration, Rollouts: req.Rollouts, Args: args, Metrics: t.Metrics, Seconds: t.Seconds, StepDoneUnix: t.StepDoneUnix}

@@ -215,10 +215,16 @@ func TestEveryOperationRoundTrips(t *testing.T) {
 	assert.Nil(t, res.Restart)
 	assert.Equal(t, filepath.Join(spec.CheckpointDir, "ckpt-2"), res.Checkpoint)
 	assert.Equal(t, "ckpt-2\n", readFile(t, filepath.Join(spec.CheckpointDir, trainer.LatestFile)))
-	assert.Empty(t, journalIterations(t, spec.CheckpointDir), "the checkpoint holds iterations 1 and 2")
+	assert.Equal(t, []int{2}, journalIterations(t, spec.CheckpointDir), "the checkpoint holds iterations 1 and 2; its own line stays")
+	// A retry of the iteration just checkpointed (its result lost) is
+	// answered from the journal, not refused as a gap.
+	retried, err := m.Train(ctx, "r1", spec, trainer.TrainRequest{Iteration: 2, Rollouts: ro[1]})
+	require.NoError(t, err)
+	assert.True(t, retried.FromJournal)
+	assert.Equal(t, res.Metrics, retried.Metrics)
 	_, err = m.Train(ctx, "r1", spec, trainer.TrainRequest{Iteration: 3, Rollouts: ro[2]})
 	require.NoError(t, err)
-	assert.Equal(t, []int{3}, journalIterations(t, spec.CheckpointDir))
+	assert.Equal(t, []int{2, 3}, journalIterations(t, spec.CheckpointDir))
 
 	s, rs, err := m.Publish(ctx, "r1", spec, "v3", trainer.DTypeKeep)
 	require.NoError(t, err)
@@ -245,7 +251,7 @@ func TestEveryOperationRoundTrips(t *testing.T) {
 	assert.Equal(t, filepath.Join(spec.CheckpointDir, "ckpt-3"), sv.Path)
 	assert.Positive(t, sv.Bytes)
 	assert.Equal(t, "ckpt-3\n", readFile(t, filepath.Join(spec.CheckpointDir, trainer.LatestFile)))
-	assert.Empty(t, journalIterations(t, spec.CheckpointDir))
+	assert.Equal(t, []int{3}, journalIterations(t, spec.CheckpointDir))
 	_, _, err = m.Save(ctx, "r1", spec, 2)
 	assert.Equal(t, trainer.BadInput, kindOf(err))
 	assert.EqualError(t, err, "run r1: save_checkpoint of iteration 2: the trainer is at iteration 3")
@@ -411,7 +417,9 @@ func TestATrainThatSkipsAnIterationIsBadInput(t *testing.T) {
 	assert.EqualError(t, err, "run r1: publish of version v: dtype: want keep, bfloat16 or float16")
 }
 
-func TestARefusalLeavesTheTrainerRunning(t *testing.T) {
+// A refused train may have left the model half updated: the trainer is
+// ended, and the next call restores it.
+func TestARefusedTrainEndsTheTrainer(t *testing.T) {
 	ctx := context.Background()
 	m := trainer.NewManager(trainer.Options{})
 	t.Cleanup(func() { _ = m.Close(ctx) })
@@ -421,10 +429,14 @@ func TestARefusalLeavesTheTrainerRunning(t *testing.T) {
 	assert.Equal(t, trainer.Refused, kindOf(err))
 	assert.False(t, kindOf(err).Retryable())
 	assert.EqualError(t, err, fmt.Sprintf("run r1: train of iteration 1: refused by the trainer: reading the rollouts: open %s: no such file or directory", missing))
-	_, gen, ok := m.Running("r1")
-	assert.True(t, ok)
-	assert.Equal(t, 1, gen)
+	_, _, ok := m.Running("r1")
+	assert.False(t, ok)
 	assert.Empty(t, journalIterations(t, spec.CheckpointDir))
+	res, err := m.Train(ctx, "r1", spec, trainer.TrainRequest{Iteration: 1, Rollouts: rolloutFiles(t, 1)[0]})
+	require.NoError(t, err)
+	require.NotNil(t, res.Restart)
+	assert.Equal(t, 2, res.Restart.Generation)
+	assert.Contains(t, res.Restart.Cause, "its train was refused")
 }
 
 func TestLostWhenTheRunCannotBeRestored(t *testing.T) {
@@ -462,7 +474,7 @@ func TestLostWhenTheRunCannotBeRestored(t *testing.T) {
 				_, err := m.Train(ctx, "r1", spec, trainer.TrainRequest{Iteration: i, Rollouts: ro[i-1]})
 				require.NoError(t, err)
 			}
-			require.Equal(t, []int{3, 4}, journalIterations(t, spec.CheckpointDir))
+			require.Equal(t, []int{2, 3, 4}, journalIterations(t, spec.CheckpointDir))
 			require.NoError(t, m.Stop(ctx, "r1"))
 			tc.spoil(t, spec, ro)
 

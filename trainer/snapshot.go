@@ -1,5 +1,7 @@
 package trainer
 
+import "github.com/rlflow/rlflow/nccl"
+
 // The snapshot a resident trainer publishes (PROTOCOL.md, "publish"): the
 // description the GPU worker validates and maps before broadcasting from it.
 // The NCCL engine reads it (transfer.UpdateRequest.Snapshot); this package is
@@ -8,10 +10,10 @@ package trainer
 // The IPC kinds of a snapshot.
 const (
 	// IPCCUDA: Handle holds torch's shareable handle of a cudaMalloc block.
-	IPCCUDA = "cuda"
+	IPCCUDA = nccl.IPCCUDA
 	// IPCFakeShm: Path names a shared file standing in for device memory.
 	// A TEST DOUBLE: only nccltest.Fake opens it.
-	IPCFakeShm = "fake_shm"
+	IPCFakeShm = nccl.IPCFakeShm
 )
 
 // Snapshot is one published version of the trainer's weights in device
