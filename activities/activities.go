@@ -22,6 +22,7 @@ import (
 
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/redact"
+	"github.com/rlflow/rlflow/trainer"
 	"github.com/rlflow/rlflow/transfer"
 	"go.temporal.io/sdk/activity"
 )
@@ -60,6 +61,12 @@ type Deps struct {
 	// backend fail at once with NoGPUWorker (the interpreter routes them
 	// to a GPU worker).
 	NCCL transfer.Engine
+	// Trainers run the resident trainers of the runs this GPU worker
+	// serves; nil on control workers, where the trainer steps fail at once
+	// with NoGPUWorker. TrainerDevice is the CUDA ordinal they use (the
+	// NCCL engine's, so the snapshot is on the broadcasting device).
+	Trainers      *trainer.Manager
+	TrainerDevice int
 }
 
 // Activities holds the activities; register each method under its step

@@ -120,6 +120,21 @@ func (a *Activities) learnSecrets(ctx context.Context, in ExecInput) error {
 // the attempt's tag last. learnSecrets has checked and learnt the secrets.
 func (a *Activities) commandEnv(in ExecInput, outputsPath string, attempt int) ([]string, error) {
 	sc := in.Context
+	return a.processEnv(in,
+		"RLFLOW_OUTPUTS="+outputsPath,
+		"RLFLOW_PIPELINE="+sc.Pipeline,
+		"RLFLOW_RUN_ID="+sc.RunID,
+		"RLFLOW_ITERATION="+strconv.Itoa(sc.Iteration),
+		"RLFLOW_STEP="+sc.StepID,
+		"RLFLOW_ATTEMPT="+strconv.Itoa(attempt),
+	)
+}
+
+// processEnv is the environment of a process rlflow starts for a step (an
+// exec command, the resident trainer), in order (a later entry wins): the
+// worker's variables (minimal or all), in's secrets, rlflow's variables,
+// in's env.
+func (a *Activities) processEnv(in ExecInput, rlflowVars ...string) ([]string, error) {
 	var env []string
 	for _, kv := range a.environ() {
 		if k, _, ok := strings.Cut(kv, "="); ok && (a.inherits() || inMinimalEnv(k)) {
@@ -133,14 +148,7 @@ func (a *Activities) commandEnv(in ExecInput, outputsPath string, attempt int) (
 		}
 		env = append(env, name+"="+v)
 	}
-	env = append(env,
-		"RLFLOW_OUTPUTS="+outputsPath,
-		"RLFLOW_PIPELINE="+sc.Pipeline,
-		"RLFLOW_RUN_ID="+sc.RunID,
-		"RLFLOW_ITERATION="+strconv.Itoa(sc.Iteration),
-		"RLFLOW_STEP="+sc.StepID,
-		"RLFLOW_ATTEMPT="+strconv.Itoa(attempt),
-	)
+	env = append(env, rlflowVars...)
 	keys := make([]string, 0, len(in.Env))
 	for k := range in.Env {
 		keys = append(keys, k)

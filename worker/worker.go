@@ -68,17 +68,26 @@ func RegisterControlActivities(r sdkworker.ActivityRegistry, a *activities.Activ
 	r.RegisterActivityWithOptions(a.ValidateSpec, activity.RegisterOptions{Name: workflows.ValidateSpecActivity})
 }
 
-// TransferSteps are the init_transfer and broadcast activities.
+// TransferSteps are the activities of the steps a GPU worker runs: the
+// weight transfer's and the resident trainer's. A control worker registers
+// them too: the disk backend's run there, and the others fail at once with
+// NoGPUWorker instead of waiting for a worker that has them.
 type TransferSteps interface {
 	InitTransfer(ctx context.Context, in activities.InitTransferInput) (*activities.InitTransferOutput, error)
 	Broadcast(ctx context.Context, in activities.BroadcastInput) (*activities.BroadcastOutput, error)
+	Train(ctx context.Context, in activities.TrainInput) (*activities.TrainOutput, error)
+	Publish(ctx context.Context, in activities.PublishInput) (*activities.PublishOutput, error)
+	SaveCheckpoint(ctx context.Context, in activities.SaveCheckpointInput) (*activities.SaveCheckpointOutput, error)
 }
 
-// RegisterTransferActivities registers the transfer steps under their step
-// type names.
+// RegisterTransferActivities registers the transfer steps and the resident
+// trainer's steps under their step type names.
 func RegisterTransferActivities(r sdkworker.ActivityRegistry, s TransferSteps) {
 	r.RegisterActivityWithOptions(s.InitTransfer, activity.RegisterOptions{Name: pipelines.StepInitTransfer})
 	r.RegisterActivityWithOptions(s.Broadcast, activity.RegisterOptions{Name: pipelines.StepBroadcast})
+	r.RegisterActivityWithOptions(s.Train, activity.RegisterOptions{Name: pipelines.StepTrain})
+	r.RegisterActivityWithOptions(s.Publish, activity.RegisterOptions{Name: pipelines.StepPublish})
+	r.RegisterActivityWithOptions(s.SaveCheckpoint, activity.RegisterOptions{Name: pipelines.StepSaveCheckpoint})
 }
 
 // NewControl builds (but does not start) a control worker.

@@ -98,6 +98,7 @@ and an example pipeline.`,
 		newDoubleCmd(),
 		newDemoTrainCmd(),
 		newCodecServerCmd(),
+		newFakeTrainerCmd(),
 	)
 	return root
 }

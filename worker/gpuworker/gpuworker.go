@@ -21,13 +21,16 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"time"
 
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/gpuhealth"
 	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/nccl"
+	"github.com/rlflow/rlflow/nccl/cudaipc"
 	"github.com/rlflow/rlflow/nccl/nccltest"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/trainer"
 	"github.com/rlflow/rlflow/transfer"
 	"github.com/rlflow/rlflow/transfer/ncclengine"
 	"github.com/rlflow/rlflow/worker"
@@ -83,7 +86,17 @@ type Options struct {
 	// worker has no log dir). Its Watch must be on c's connection. Nil:
 	// none.
 	Reports *activities.Reports
+	// TrainerIdle stops a run's resident trainer after this long without a
+	// call (its run ended, or moved to another GPU worker); 0 means
+	// DefaultTrainerIdle.
+	TrainerIdle time.Duration
 }
+
+// DefaultTrainerIdle is how long a resident trainer with no call keeps its
+// GPU memory: longer than any step a run puts between two trainer calls
+// (a generate, an evaluate), short enough that a finished run's trainer
+// does not hold the GPU for the next.
+const DefaultTrainerIdle = time.Hour
 
 // GPU is a GPU worker: two Temporal workers in one process and the
 // engine they share.
@@ -93,7 +106,7 @@ type GPU struct {
 	HostQueue string
 	Info      workflows.GPUHost
 
-	close []func() // the engine, then NVML
+	close []func() // the trainers, the engine, then NVML
 }
 
 // HostQueue is a GPU worker's own task queue: rlflow-gpu/<host>/<instance>.
@@ -137,9 +150,28 @@ func New(c client.Client, opts Options) (*GPU, error) {
 	}
 	g.Info = workflows.GPUHost{TaskQueue: g.HostQueue, Host: opts.Host, Device: device}
 
+	// The resident trainers of the runs this worker serves: started by
+	// their first step, on the engine's device (their snapshots are what
+	// it broadcasts), stopped when idle and before the engine closes.
+	idle := opts.TrainerIdle
+	if idle <= 0 {
+		idle = DefaultTrainerIdle
+	}
+	topts := trainer.Options{IdleTimeout: idle, Log: opts.Log}
+	if e, ok := engine.(snapshotCloser); ok {
+		// A stopped trainer's snapshot mapping would keep its GPU memory.
+		topts.OnStop = func(runID string) { _ = e.CloseSnapshot(runID) }
+	}
+	trainers := trainer.NewManager(topts)
+	g.close = append([]func(){func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_ = trainers.Close(ctx)
+	}}, g.close...)
+
 	// The activities build the fleet from the step context (API keys from
 	// this worker's environment) and hand it to the engine.
-	steps := activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots})
+	steps := activities.New(activities.Deps{NCCL: engine, Getenv: opts.Getenv, Roots: opts.Roots, Trainers: trainers, TrainerDevice: device})
 	// The API keys are masked in all the steps report; the metrics see
 	// each step inside the masking; kept results are the masked ones.
 	interceptors := []interceptor.WorkerInterceptor{steps.Interceptor(), opts.Metrics.Interceptor()}
@@ -160,6 +192,9 @@ func New(c client.Client, opts Options) (*GPU, error) {
 	return g, nil
 }
 
+// snapshotCloser is the NCCL engine's release of a run's snapshot mapping.
+type snapshotCloser interface{ CloseSnapshot(runID string) error }
+
 // openEngine is the GPU worker's start-up policy: the device, its health,
 // NCCL, and the engine over them.
 func (g *GPU) openEngine(opts Options) (*ncclengine.Engine, int, error) {
@@ -178,11 +213,13 @@ func (g *GPU) openEngine(opts Options) (*ncclengine.Engine, int, error) {
 		log.Warn("CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA ordinals may not match NVML's, so device selection and health may describe another GPU than NCCL uses", "CUDA_DEVICE_ORDER", order)
 	}
 	var api nccl.API
+	var ipc nccl.IPCImporter
 	var mon gpuhealth.Monitor
 	var sel Selection
 	if opts.FakeNCCL {
 		log.Warn("--fake-nccl: NCCL and the GPU are the nccltest.Fake TEST DOUBLE (virtual peers, host memory); no weights reach any server. For rlflow's CPU tests only.")
-		api = nccltest.NewFake(nccltest.Config{VirtualPeers: true, DeviceMemory: 64 << 30})
+		fake := nccltest.NewFake(nccltest.Config{VirtualPeers: true, DeviceMemory: 64 << 30})
+		api, ipc = fake, fake
 		sel = Selection{CUDA: max(opts.Device, 0), NVML: -1}
 	} else {
 		m, err := gpuhealth.OpenNVML("")
@@ -204,6 +241,13 @@ func (g *GPU) openEngine(opts Options) (*ncclengine.Engine, int, error) {
 			return nil, 0, err
 		}
 		api = lib
+		// The resident trainers' snapshots arrive as CUDA IPC handles,
+		// opened through the runtime nccl loaded.
+		if im, err := cudaipc.New(lib); err != nil {
+			log.Warn("CUDA IPC unavailable: publish steps (resident trainers) will fail on this worker", "err", err)
+		} else {
+			ipc = im
+		}
 		v, _ := lib.NCCLVersion()
 		cv, _ := lib.CUDARuntimeVersion()
 		log.Info("NCCL loaded", "nccl_version", v, "nccl", lib.NCCLPath(), "cuda_runtime_version", cv, "cudart", lib.CUDARTPath())
@@ -217,7 +261,7 @@ func (g *GPU) openEngine(opts Options) (*ncclengine.Engine, int, error) {
 	if opts.Advertise == "" {
 		log.Warn("no --advertise: every init_transfer step must give master_address, and a broadcast cannot re-initialise a lost group on its own")
 	}
-	e, err := ncclengine.New(ncclengine.Config{API: api, Device: sel.CUDA, Advertise: opts.Advertise, Monitor: mon, MonitorIndex: sel.NVML})
+	e, err := ncclengine.New(ncclengine.Config{API: api, IPC: ipc, Device: sel.CUDA, Advertise: opts.Advertise, Monitor: mon, MonitorIndex: sel.NVML})
 	if err != nil {
 		return nil, 0, err
 	}
