@@ -34,7 +34,7 @@ var layers = [][]string{
 	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain", "metrics", "trainer/trainertest"},
 	// The activities, the NCCL engine (GPU workers only), run control, the
 	// dev server, run reports.
-	{"activities", "transfer/ncclengine", "runs", "devserver", "report"},
+	{"activities", "transfer/ncclengine", "runs", "devserver", "report", "vllm/double/fakeplane"},
 	// The control worker.
 	{"worker"},
 	// The GPU worker, test support over everything.

@@ -1,19 +1,19 @@
 package trainer
 
-import "github.com/rlflow/rlflow/nccl"
-
 // The snapshot a resident trainer publishes (PROTOCOL.md, "publish"): the
 // description the GPU worker validates and maps before broadcasting from it.
 // The NCCL engine reads it (transfer.UpdateRequest.Snapshot); this package is
 // its one definition.
 
-// The IPC kinds of a snapshot.
+// The IPC kinds of a snapshot: the same strings as nccl.IPCCUDA and
+// nccl.IPCFakeShm (the control worker, which imports this package, must not
+// depend on nccl's cgo; a test of the NCCL engine holds them equal).
 const (
 	// IPCCUDA: Handle holds torch's shareable handle of a cudaMalloc block.
-	IPCCUDA = nccl.IPCCUDA
+	IPCCUDA = "cuda"
 	// IPCFakeShm: Path names a shared file standing in for device memory.
 	// A TEST DOUBLE: only nccltest.Fake opens it.
-	IPCFakeShm = nccl.IPCFakeShm
+	IPCFakeShm = "fake_shm"
 )
 
 // Snapshot is one published version of the trainer's weights in device

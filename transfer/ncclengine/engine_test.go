@@ -30,195 +30,14 @@ import (
 	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
+	"github.com/rlflow/rlflow/vllm/double/fakeplane"
 )
-
-// receiver is a test double of a vLLM server's NCCL data plane for
-// vllm/double: every rank of the server is a real rank of the same
-// nccltest.Fake the trainer uses, so the fake moves the trainer's bytes to it
-// and refuses any collective whose count or dtype differ between ranks.
-// It plans the wire sequence from update_info with its own few lines of
-// spec section 6 (not with nccl/plan), records every tensor it received,
-// and hands the double only the tensor its bigram model has.
-type receiver struct {
-	f *nccltest.Fake
-	// stall makes Init wait for its context instead of joining: a worker
-	// that reached the store but never joins NCCL.
-	stall bool
-
-	mu      sync.Mutex
-	comms   []*nccl.Comm
-	inits   []double.NCCLInit
-	updates []map[string][]byte
-}
-
-func (r *receiver) closeComms() {
-	r.mu.Lock()
-	old := r.comms
-	r.comms = nil
-	r.mu.Unlock()
-	for _, c := range old {
-		c.Abort(errors.New("receiver: replaced"))
-		c.Close(context.Background())
-	}
-}
-
-func (r *receiver) Init(ctx context.Context, in double.NCCLInit) error {
-	r.closeComms()
-	if r.stall {
-		<-ctx.Done()
-		return ctx.Err()
-	}
-	var id nccl.UniqueID
-	copy(id[:], in.UniqueID)
-	comms := make([]*nccl.Comm, len(in.Ranks))
-	errs := make([]error, len(in.Ranks))
-	var wg sync.WaitGroup
-	for i, rank := range in.Ranks {
-		// One fake device per rank, as one GPU per vLLM worker.
-		wg.Go(func() { comms[i], errs[i] = nccl.NewComm(ctx, r.f, rank, in.WorldSize, rank, id) })
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		for _, c := range comms {
-			if c != nil {
-				c.Close(context.Background())
-			}
-		}
-		return err
-	}
-	r.mu.Lock()
-	r.comms = comms
-	r.inits = append(r.inits, in)
-	r.mu.Unlock()
-	return nil
-}
-
-var receiverDTypes = map[string]nccl.DataType{
-	"int8": nccl.Int8, "uint8": nccl.Uint8, "int32": nccl.Int32, "int64": nccl.Int64,
-	"float16": nccl.Float16, "float32": nccl.Float32, "float64": nccl.Float64, "bfloat16": nccl.Bfloat16,
-	"float8_e4m3fn": nccl.Float8e4m3,
-}
-
-type receiverChunk struct {
-	tensors []int
-	bytes   int64
-	dtype   nccl.DataType
-	count   int
-}
-
-// receiverPlan is spec section 6, written down once more.
-func receiverPlan(u double.NCCLUpdate) ([]receiverChunk, error) {
-	var out []receiverChunk
-	if !u.Packed {
-		for i, n := range u.Bytes {
-			dt, ok := receiverDTypes[u.DTypeNames[i]]
-			if !ok {
-				return nil, fmt.Errorf("receiver: no NCCL type for %s", u.DTypeNames[i])
-			}
-			out = append(out, receiverChunk{tensors: []int{i}, bytes: n, dtype: dt, count: int(n) / dt.Size()})
-		}
-		return out, nil
-	}
-	var cur receiverChunk
-	for i, n := range u.Bytes {
-		cur.tensors = append(cur.tensors, i)
-		cur.bytes += n
-		if cur.bytes > u.PackedBufferSizeBytes {
-			out = append(out, cur)
-			cur = receiverChunk{}
-		}
-	}
-	if len(cur.tensors) > 0 {
-		out = append(out, cur)
-	}
-	for i := range out {
-		out[i].dtype, out[i].count = nccl.Uint8, int(out[i].bytes)
-	}
-	return out, nil
-}
-
-func (r *receiver) Receive(ctx context.Context, u double.NCCLUpdate) ([]double.Tensor, error) {
-	r.mu.Lock()
-	comms := r.comms
-	r.mu.Unlock()
-	chunks, err := receiverPlan(u)
-	if err != nil {
-		return nil, err
-	}
-	got := make([]map[string][]byte, len(comms))
-	errs := make([]error, len(comms))
-	var wg sync.WaitGroup
-	for i, c := range comms {
-		wg.Go(func() { got[i], errs[i] = r.receiveRank(ctx, c, u, chunks) })
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		return nil, err
-	}
-	for i := 1; i < len(got); i++ {
-		for name, b := range got[0] {
-			if !bytes.Equal(got[i][name], b) {
-				return nil, fmt.Errorf("receiver: ranks disagree on %s", name)
-			}
-		}
-	}
-	r.mu.Lock()
-	r.updates = append(r.updates, got[0])
-	r.mu.Unlock()
-	var out []double.Tensor
-	for i, name := range u.Names {
-		if name == bigram.TensorName {
-			out = append(out, double.Tensor{Name: name, DType: u.DTypeNames[i], Shape: u.Shapes[i], Data: got[0][name]})
-		}
-	}
-	return out, nil
-}
-
-func (r *receiver) receiveRank(ctx context.Context, c *nccl.Comm, u double.NCCLUpdate, chunks []receiverChunk) (map[string][]byte, error) {
-	out := map[string][]byte{}
-	for _, ch := range chunks {
-		var buf nccl.DevPtr
-		if err := c.Device().Do(ctx, func(api nccl.API) (err error) {
-			buf, err = api.Malloc(int(max(ch.bytes, 1)))
-			return err
-		}); err != nil {
-			return nil, err
-		}
-		err := c.Broadcast(ctx, buf, ch.count, ch.dtype)
-		var data []byte
-		if err == nil {
-			data, err = r.f.DeviceBytes(buf, int(ch.bytes))
-		}
-		c.Device().Do(context.Background(), func(api nccl.API) error { return api.Free(buf) })
-		if err != nil {
-			return nil, err
-		}
-		var off int64
-		for _, i := range ch.tensors {
-			out[u.Names[i]] = data[off : off+u.Bytes[i]]
-			off += u.Bytes[i]
-		}
-	}
-	return out, nil
-}
-
-func (r *receiver) received() []map[string][]byte {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]map[string][]byte(nil), r.updates...)
-}
-
-func (r *receiver) initCalls() []double.NCCLInit {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]double.NCCLInit(nil), r.inits...)
-}
 
 // server is one vLLM double with its receiver.
 type server struct {
 	*double.Server
 	url string
-	rcv *receiver
+	rcv *fakeplane.Receiver
 	rec *testutil.Recorder // every request, when envConfig.record
 }
 
@@ -245,7 +64,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
 	e := &env{t: t, f: nccltest.NewFake(nccltest.Config{Devices: 8, DeviceMemory: 64 << 20})}
 	for i, ws := range cfg.worldSizes {
-		r := &receiver{f: e.f}
+		r := &fakeplane.Receiver{F: e.f}
 		dc := double.Config{Generation: cfg.gen, Backend: double.BackendNCCL, DevMode: true, WorldSize: ws,
 			NCCLReceiver: r, RendezvousTimeout: 10 * time.Second, Seed: uint64(i + 1)}
 		if i < len(cfg.faults) {
@@ -265,7 +84,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		t.Cleanup(func() {
 			hs.Close()
 			d.Close()
-			r.closeComms()
+			r.CloseComms()
 		})
 		c, err := vllm.New(hs.URL, vllm.Options{Generation: vllm.Generation(cfg.gen)})
 		if err != nil {
@@ -290,7 +109,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Cleanup(func() {
 		tr.Close()
 		for _, s := range e.servers {
-			s.rcv.closeComms()
+			s.rcv.CloseComms()
 		}
 		if l := e.f.Leaks(); l != "" {
 			t.Errorf("leaked %s", l)
@@ -435,7 +254,7 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 					// Cumulative rank offsets: the second server's TP ranks follow the first's.
 					offset := 1
 					for i, s := range e.servers {
-						in := s.rcv.initCalls()
+						in := s.rcv.Inits()
 						if len(in) != 1 || in[0].WorldSize != world || in[0].Ranks[0] != offset || len(in[0].Ranks) != sizes[i] {
 							t.Fatalf("server %d init %+v, want ranks from %d, world %d", i, in, offset, world)
 						}
@@ -472,7 +291,7 @@ func TestInitThenBroadcastTwice(t *testing.T) {
 						}
 						version := fmt.Sprintf("run-1/iter-%d", iter)
 						for i, s := range e.servers {
-							got := s.rcv.received()
+							got := s.rcv.Received()
 							if len(got) != iter {
 								t.Fatalf("server %d received %d updates after %d broadcasts", i, len(got), iter)
 							}
@@ -507,7 +326,7 @@ func TestBroadcastInitialisesOnFirstUse(t *testing.T) {
 	if !out.Initialized || e.servers[0].WeightVersion() != "v1" || out.Bytes == 0 {
 		t.Fatalf("%+v, server version %q", out, e.servers[0].WeightVersion())
 	}
-	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
+	checkBytes(t, path, e.servers[0].rcv.Received()[0], false)
 }
 
 func TestPoisonedGroupIsReinitialised(t *testing.T) {
@@ -547,7 +366,7 @@ func TestPoisonedGroupIsReinitialised(t *testing.T) {
 		t.Fatal("the broadcast after an NCCL failure reused the poisoned group")
 	}
 	for i, s := range e.servers {
-		got := s.rcv.received()
+		got := s.rcv.Received()
 		checkBytes(t, path, got[len(got)-1], false)
 		if n := e.requests(i, "POST /init_weight_transfer_engine"); n != 2 {
 			t.Fatalf("server %d: %d inits, want 2", i, n)
@@ -637,7 +456,7 @@ func TestCancelMidBroadcast(t *testing.T) {
 	if !out.Initialized {
 		t.Fatal("the group aborted by the cancellation was reused")
 	}
-	got := e.servers[0].rcv.received()
+	got := e.servers[0].rcv.Received()
 	checkBytes(t, path, got[len(got)-1], false)
 }
 
@@ -655,7 +474,7 @@ func TestConversionAndALoadFailureAfterTheBytes(t *testing.T) {
 	if !strings.Contains(err.Error(), "want F32") || !strings.Contains(err.Error(), e.servers[0].url) {
 		t.Fatalf("error does not carry the server's reason: %v", err)
 	}
-	got := e.servers[0].rcv.received()
+	got := e.servers[0].rcv.Received()
 	if len(got) != 1 {
 		t.Fatalf("%d updates received", len(got))
 	}
@@ -748,7 +567,7 @@ func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 	if n := e.requests(0, "POST /start_weight_update"); n != 3 {
 		t.Fatalf("%d starts, want 3 (the stale one, the refused one, the retry)", n)
 	}
-	checkBytes(t, path, e.servers[0].rcv.received()[0], false)
+	checkBytes(t, path, e.servers[0].rcv.Received()[0], false)
 	// On a group that was already in use, an open session is not ours to
 	// close: the attempt fails.
 	if err := e.target.Fleet[0].StartWeightUpdate(ctx); err != nil {
@@ -761,7 +580,7 @@ func TestStaleSessionOfADeadTrainerIsClosed(t *testing.T) {
 
 func TestInitDeadlineWhenAWorkerNeverJoins(t *testing.T) {
 	e := newEnv(t, envConfig{gen: double.GenC, worldSizes: []int{1, 1}})
-	e.servers[1].rcv.stall = true
+	e.servers[1].rcv.Stall(true)
 	start := time.Now()
 	_, err := e.init(e.ctx(), func(req *transfer.InitRequest) { req.Timeout = 300 * time.Millisecond })
 	took := time.Since(start)
@@ -773,7 +592,7 @@ func TestInitDeadlineWhenAWorkerNeverJoins(t *testing.T) {
 	}
 	t.Logf("error after %v: %v", took, err)
 	// The half-built group is not kept: the next broadcast initialises.
-	e.servers[1].rcv.stall = false
+	e.servers[1].rcv.Stall(false)
 	out, err := e.broadcast(e.ctx(), writeCheckpoint(t, t.TempDir(), 1), 1, nil)
 	if err != nil || !out.Initialized {
 		t.Fatalf("%+v %v", out, err)

@@ -65,7 +65,7 @@ func (e *env) assertNothingSent(t *testing.T) {
 				t.Errorf("server %d saw %d %s", i, n, route)
 			}
 		}
-		if got := s.rcv.received(); len(got) != 0 {
+		if got := s.rcv.Received(); len(got) != 0 {
 			t.Errorf("server %d received %d updates", i, len(got))
 		}
 	}
@@ -129,7 +129,7 @@ func TestPackedUnreceivableRefusedBeforeSending(t *testing.T) {
 				t.Fatalf("a receivable checkpoint after the refusal: %v", err)
 			}
 			for i, s := range e.servers {
-				got := s.rcv.received()
+				got := s.rcv.Received()
 				if len(got) != 1 {
 					t.Fatalf("server %d received %d updates, want 1", i, len(got))
 				}

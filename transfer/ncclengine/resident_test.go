@@ -175,7 +175,7 @@ func TestSnapshotBroadcast(t *testing.T) {
 						t.Fatalf("publish %d: result %+v", iter, out)
 					}
 					for i, s := range e.servers {
-						got := s.rcv.received()
+						got := s.rcv.Received()
 						if len(got) != iter {
 							t.Fatalf("server %d received %d updates after %d publishes", i, len(got), iter)
 						}
@@ -235,7 +235,7 @@ func TestSnapshotMatchesCheckpointPath(t *testing.T) {
 		for _, l := range e.servers[0].rec.Lines() {
 			lines = append(lines, id.ReplaceAllString(port.ReplaceAllString(l, `"master_port":PORT`), `"nccl_unique_id_b64":"ID"`))
 		}
-		checkSnapshotBytes(t, e.servers[0].rcv.received()[0], ts)
+		checkSnapshotBytes(t, e.servers[0].rcv.Received()[0], ts)
 		var ws []wire
 		for _, c := range e.f.Collectives(0) {
 			if c.Op == "Broadcast" {
@@ -294,7 +294,7 @@ func TestSnapshotMappingLifetime(t *testing.T) {
 		if n := ipcMappings(e.f); n != 1 {
 			t.Fatalf("step %d: %d mappings open, want 1 (the old one closed)", i+1, n)
 		}
-		checkSnapshotBytes(t, e.servers[0].rcv.received()[i], ts)
+		checkSnapshotBytes(t, e.servers[0].rcv.Received()[i], ts)
 	}
 	// Another run's trainer gets its own mapping, beside the first run's.
 	out, err := e.publishUpdate(publish(t, filepath.Join(dir, "other.shm"), "w1", "pid-9/gen-1", 0, snapTensors(9)), 9, func(req *transfer.UpdateRequest) { req.RunID = "run-2" })
@@ -467,7 +467,16 @@ func TestSnapshotUpdateFailures(t *testing.T) {
 		if !out.Initialized || out.Opened {
 			t.Fatalf("after the failure: %+v, want a new group on the same mapping", out)
 		}
-		got := e.servers[0].rcv.received()
+		got := e.servers[0].rcv.Received()
 		checkSnapshotBytes(t, got[len(got)-1], ts)
 	})
+}
+
+// The trainer's snapshot kinds are nccl's import kinds (two copies of the
+// strings, so that the control worker, which imports trainer, needs no
+// cgo).
+func TestSnapshotKindsAreNCCLKinds(t *testing.T) {
+	if trainer.IPCCUDA != nccl.IPCCUDA || trainer.IPCFakeShm != nccl.IPCFakeShm {
+		t.Fatalf("trainer's kinds %q, %q differ from nccl's %q, %q", trainer.IPCCUDA, trainer.IPCFakeShm, nccl.IPCCUDA, nccl.IPCFakeShm)
+	}
 }
