@@ -39,11 +39,14 @@ type Restarted struct {
 	Generation int    `json:"trainer_generation"`
 }
 
+// restarted reports r: a start that lost nothing (the run's first, on a
+// fresh trainer) is not a restart, though its cause is still said.
 func restarted(r *trainer.Restart, generation int) Restarted {
 	if r == nil {
 		return Restarted{Replayed: []int{}, Generation: generation}
 	}
-	out := Restarted{Restarted: true, RestoredFrom: r.RestoredFrom, Replayed: r.Replayed, Cause: r.Cause, Generation: r.Generation}
+	out := Restarted{RestoredFrom: r.RestoredFrom, Replayed: r.Replayed, Cause: r.Cause, Generation: r.Generation,
+		Restarted: r.Generation > 1 || r.RestoredFrom > 0 || len(r.Replayed) > 0}
 	if out.Replayed == nil {
 		out.Replayed = []int{}
 	}

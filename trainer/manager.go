@@ -519,6 +519,7 @@ func (m *Manager) Publish(ctx context.Context, runID string, spec Spec, version,
 		return nil, rs, within(p.protocolFault(bad), "run %s", runID)
 	}
 	s.Owner = fmt.Sprintf("pid %d generation %d", p.helloPID, p.generation)
+	s.Iteration = p.iteration
 	p.published = version
 	return s, rs, nil
 }
