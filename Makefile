@@ -82,6 +82,7 @@ lint: $(STATICCHECK) $(WORKFLOWCHECK)
 # Two minutes per fuzz target (the acceptance run).
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzLoad -fuzztime 2m ./pipelines/
+	$(GO) test -run '^$$' -fuzz FuzzDecodeReply -fuzztime 2m ./trainer/
 
 # Orchestration overhead on the dev server and on a real cluster
 # (PostgreSQL, the shipped dynamic config), each against in-process
