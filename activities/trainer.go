@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rlflow/rlflow/metrics"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/trainer"
 	"github.com/rlflow/rlflow/transfer"
@@ -204,30 +203,10 @@ func (a *Activities) Publish(ctx context.Context, in PublishInput) (*PublishOutp
 			"%s: the servers must be restored to %s, the trainer's weights after iteration %d, but the trainer has trained to iteration %d since: they are gone from it (save_checkpoint keeps a durable copy)",
 			step, w.Version, w.TrainerIteration, snap.Iteration)
 	}
-	serverBefore := serverOperationSeconds(ctx, target.Fleet)
-	var progress transfer.Progress
-	stop := a.reportTransfer(ctx, &progress)
-	start := time.Now()
-	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Snapshot: snap, DType: in.DType, Version: version,
-		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Paused: sc.FleetPaused, Progress: &progress})
-	stop()
+	res, serverSeconds, err := a.update(ctx, step, backend, engine, transfer.UpdateRequest{Target: target, Snapshot: snap, DType: in.DType,
+		Version: version, Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Paused: sc.FleetPaused}, in.Verify)
 	if err != nil {
-		return nil, transferError(ctx, step, err)
-	}
-	if res.Initialized {
-		metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, (time.Since(start) - res.Elapsed).Seconds(), 0)
-	}
-	metrics.From(ctx).ObserveSync(backend, metrics.PhaseUpdate, res.Elapsed.Seconds(), res.Bytes)
-	serverSeconds := serverTimes(ctx, serverBefore, serverOperationSeconds(ctx, target.Fleet))
-	if sc.FleetPaused {
-		if err := checkPaused(ctx, target.Fleet, "after the update"); err != nil {
-			return nil, err
-		}
-	}
-	if in.Verify {
-		if err := verifyVersion(ctx, target.Fleet, version); err != nil {
-			return nil, serverError(ctx, err, "%s: verify", step)
-		}
+		return nil, err
 	}
 	out := &PublishOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(), Version: version,
 		Iteration: snap.Iteration, SnapshotSeconds: snap.SnapshotSeconds, ServerSeconds: serverSeconds, Initialized: res.Initialized,

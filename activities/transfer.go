@@ -131,34 +131,10 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 			return nil, err
 		}
 	}
-	serverBefore := serverOperationSeconds(ctx, target.Fleet)
-	var progress transfer.Progress
-	stop := a.reportTransfer(ctx, &progress)
-	start := time.Now()
-	res, err := engine.Update(ctx, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType, Version: version,
-		Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Paused: sc.FleetPaused, Progress: &progress})
-	stop()
+	res, serverSeconds, err := a.update(ctx, step, backend, engine, transfer.UpdateRequest{Target: target, Checkpoint: ckpt, DType: in.DType,
+		Version: version, Timeout: in.UpdateTimeout.D(), InitTimeout: vllm.DefaultInitTimeout, Paused: sc.FleetPaused}, in.Verify)
 	if err != nil {
-		return nil, transferError(ctx, step, err)
-	}
-	if res.Initialized {
-		// The engine times the update alone; the rest of the call was the
-		// group's (re)initialisation.
-		metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, (time.Since(start) - res.Elapsed).Seconds(), 0)
-	}
-	metrics.From(ctx).ObserveSync(backend, metrics.PhaseUpdate, res.Elapsed.Seconds(), res.Bytes)
-	serverSeconds := serverTimes(ctx, serverBefore, serverOperationSeconds(ctx, target.Fleet))
-	if sc.FleetPaused {
-		// A server restarted during the update came back unpaused, on its
-		// base weights: the update did not reach what now serves.
-		if err := checkPaused(ctx, target.Fleet, "after the update"); err != nil {
-			return nil, err
-		}
-	}
-	if in.Verify {
-		if err := verifyVersion(ctx, target.Fleet, version); err != nil {
-			return nil, serverError(ctx, err, "%s: verify", step)
-		}
+		return nil, err
 	}
 	out := &BroadcastOutput{Backend: backend, Bytes: res.Bytes, Tensors: res.Tensors, Seconds: res.Elapsed.Seconds(),
 		Version: version, Checkpoint: ckpt, Initialized: res.Initialized, ServerSeconds: serverSeconds, Methods: nonNilStrings(res.Methods),
@@ -167,6 +143,44 @@ func (a *Activities) Broadcast(ctx context.Context, in BroadcastInput) (*Broadca
 		out.GBps = float64(res.Bytes) / res.Elapsed.Seconds() / 1e9
 	}
 	return out, nil
+}
+
+// update runs one weight update of a sync step (broadcast, publish): the
+// engine's update with its progress heartbeats and metrics, the servers'
+// own times, then the checks that it reached what now serves (still
+// paused when the run holds them paused; the version, with verify).
+func (a *Activities) update(ctx context.Context, step, backend string, engine transfer.Engine, req transfer.UpdateRequest, verify bool) (transfer.UpdateResult, map[string]float64, error) {
+	fleet := req.Fleet
+	serverBefore := serverOperationSeconds(ctx, fleet)
+	var progress transfer.Progress
+	req.Progress = &progress
+	stop := a.reportTransfer(ctx, &progress)
+	start := time.Now()
+	res, err := engine.Update(ctx, req)
+	stop()
+	if err != nil {
+		return res, nil, transferError(ctx, step, err)
+	}
+	if res.Initialized {
+		// The engine times the update alone; the rest of the call was the
+		// group's (re)initialisation.
+		metrics.From(ctx).ObserveSync(backend, metrics.PhaseInit, (time.Since(start) - res.Elapsed).Seconds(), 0)
+	}
+	metrics.From(ctx).ObserveSync(backend, metrics.PhaseUpdate, res.Elapsed.Seconds(), res.Bytes)
+	serverSeconds := serverTimes(ctx, serverBefore, serverOperationSeconds(ctx, fleet))
+	if req.Paused {
+		// A server restarted during the update came back unpaused, on its
+		// base weights: the update did not reach what now serves.
+		if err := checkPaused(ctx, fleet, "after the update"); err != nil {
+			return res, nil, err
+		}
+	}
+	if verify {
+		if err := verifyVersion(ctx, fleet, req.Version); err != nil {
+			return res, nil, serverError(ctx, err, "%s: verify", step)
+		}
+	}
+	return res, serverSeconds, nil
 }
 
 // defaultVersion is broadcast's version when the step sets none.
