@@ -637,7 +637,8 @@ func TestGPUResidentBench(t *testing.T) {
 }
 
 // benchOnce is one round of one config: (a), the engine's init, (c), (b),
-// each checked byte-exact. ok is false after a failure (reported).
+// each checked byte-exact. ok is false when a call failed (reported): the
+// benchmark cannot go on.
 func benchOnce(ctx context.Context, t *testing.T, start time.Time, pl gputest.Placement, py, url string, eng *Engine, bt *benchTrainer, c benchConfig, hidden, round int) (br benchRound, ok bool) {
 	t.Helper()
 	what := fmt.Sprintf("round %d %v", round, c)
@@ -732,7 +733,7 @@ func benchOnce(ctx context.Context, t *testing.T, start time.Time, pl gputest.Pl
 	if err := os.RemoveAll(dir); err != nil {
 		t.Logf("removing %s: %v", dir, err)
 	}
-	return br, !t.Failed()
+	return br, true // a wrong byte is a GPU-FAIL already; the figures go on
 }
 
 // exportRoot is where case (b) writes its checkpoints: $RLFLOW_GPU_DIR
