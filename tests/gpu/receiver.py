@@ -588,6 +588,7 @@ class HTTPWorker:
         self.last = {}
         self.last_stats = {}
         self.history = []  # per completed update: SHA-256 per tensor, version, paused
+        self.pending = []  # --lazy-digest: (history entry, received tensors, names) not hashed yet
         self.failures = []  # per update_weights that failed while receiving
         self.inits = []  # per completed init_weight_transfer_engine
         self.progress = {}  # the running (or last) update's receive progress
@@ -860,8 +861,10 @@ class HTTPWorker:
             log("update %d failed after %.2fs: %s" % (n, secs, e))
             raise
         secs = time.perf_counter() - t0
-        import hashlib
-        digests = {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
+        # --lazy-digest: the tensors are kept and hashed when GET /received
+        # asks, so update_weights answers as soon as the bytes are here (as
+        # vLLM's does; timing benchmarks use it).
+        digests = None if self.args.lazy_digest else sha256s(received, names)
         stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
                  "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed,
                  "vllm_unpack": bool(packed and self.args.vllm_unpack), "nccl_types": types}
@@ -870,6 +873,8 @@ class HTTPWorker:
                      "paused": self.paused, "stats": stats}
             self.history.append(entry)
             self.session_updates.append(entry)
+            if digests is None:
+                self.pending.append((entry, received, names))
             self.last, self.last_stats = digests, stats
             self.updates += 1
             self.progress["running"] = False
@@ -940,7 +945,21 @@ class HTTPWorker:
         self.nccl.wait(stream, self.comm, deadline, advance)
         return received, types
 
+    def settle(self):
+        """Hashes the updates --lazy-digest kept (oldest first)."""
+        while True:
+            with self.state:
+                if not self.pending:
+                    return
+                entry, received, names = self.pending.pop(0)
+            d = sha256s(received, names)
+            with self.state:
+                entry["sha256"] = d
+                if self.history and self.history[-1] is entry:
+                    self.last = d
+
     def report(self):
+        self.settle()
         with self.state:
             # A deep copy: the reply is encoded after the lock is released.
             return json.loads(json.dumps({
@@ -950,6 +969,12 @@ class HTTPWorker:
                 "pause_calls": self.pause_calls, "resume_calls": self.resume_calls, "events": self.events,
                 "api": self.args.api,
             }))
+
+
+def sha256s(received, names):
+    """SHA-256 per tensor of one update's received bytes."""
+    import hashlib
+    return {nm: hashlib.sha256(received[nm].cpu().numpy().tobytes()).hexdigest() for nm in names}
 
 
 def routes(worker, api):
@@ -1086,6 +1111,9 @@ def main():
     ap.add_argument("--chunk-delay", type=float, default=0.0, metavar="SECONDS",
                     help="--http, test control: after each chunk has arrived, wait this long before receiving the next "
                          "(the trainer's next broadcast waits too), so that a test can act in the middle of an update")
+    ap.add_argument("--lazy-digest", action="store_true", default=os.environ.get("RECEIVER_LAZY_DIGEST") == "1",
+                    help="--http: hash an update's tensors when GET /received asks, not before update_weights answers "
+                         "(for timing; default: RECEIVER_LAZY_DIGEST=1)")
     ap.add_argument("--vllm-unpack", action="store_true", default=os.environ.get("RECEIVER_VLLM_UNPACK") == "1",
                     help="--http: unpack every packed chunk as vLLM does (split, view(dtype), view(*shape)), "
                          "so that a layout vLLM cannot view fails here too (default: RECEIVER_VLLM_UNPACK=1)")
