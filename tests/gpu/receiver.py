@@ -1020,6 +1020,12 @@ def serve_http(args):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # TCP_NODELAY on every connection, as vLLM's server (uvicorn on
+        # asyncio, which sets it on TCP sockets) has: http.server writes a
+        # response's header lines one send each, and with Nagle's algorithm
+        # a client that keeps the connection alive (Go's) waits for a
+        # delayed ACK, about 40 ms, on every call.
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *a):
             if urlparse(getattr(self, "path", "")).path == "/received":

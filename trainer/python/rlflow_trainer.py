@@ -607,6 +607,16 @@ def gpu_uuid_text(raw):
     return s if _UUID_RE.match(s) else None
 
 
+def torch_share(share):
+    """storage._share_cuda_()'s whole tuple as JSON (bytes in base64): what
+    torch's own importer (UntypedStorage._new_shared_cuda) takes, for a
+    Python reader; the worker needs only handle and the offsets."""
+    b64 = lambda b: None if b is None else base64.b64encode(bytes(b)).decode("ascii")  # noqa: E731
+    return {"device": int(share[0]), "handle": b64(share[1]), "size": int(share[2]), "offset": int(share[3]),
+            "ref_counter_handle": b64(share[4]), "ref_counter_offset": int(share[5]),
+            "event_handle": b64(share[6]), "event_sync_required": bool(share[7])}
+
+
 def check_share_handle(handle):
     """torch's shareable handle (storage._share_cuda_()[1]) must name a
     cudaMalloc block: 64 raw bytes, or a version byte, 'c' and 64 bytes."""
@@ -907,6 +917,7 @@ class TorchBackend:
             "tensors": [{"name": name, "dtype": dtype_name(tdt), "shape": [int(d) for d in t.shape], "offset": off, "bytes": n}
                         for (name, t, tdt), (off, n) in zip(plan, layout)],
             "snapshot_seconds": seconds,
+            "torch_share": torch_share(share),
         }
 
     # -- checkpoints --
