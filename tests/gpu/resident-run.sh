@@ -76,6 +76,7 @@ step py "${T_PY:-80}" "$R" "$PY" trainer/python/test_rlflow_trainer.py -v
 step example "${T_EXAMPLE:-80}" "$R" "$PY" tests/gpu/resident_trainer_gpu.py
 step snapshot "${T_SNAP:-90}" "$R/transfer/ncclengine" $GT -test.v -test.timeout 20m -test.run '^TestGPUSnapshotBroadcast$'
 step sigkill "${T_KILL:-100}" "$R/transfer/ncclengine" $GT -test.v -test.timeout 20m -test.run '^TestGPUResidentSIGKILL$'
+step e2e "${T_E2E:-280}" "$R/e2e" sh -c 'xz -dc ../.carry/e2e.test.xz > /tmp/e2e.test && xz -dc ../.carry/temporal.xz > /tmp/temporal && chmod +x /tmp/e2e.test /tmp/temporal && RLFLOW_TEMPORAL=/tmp/temporal exec /tmp/e2e.test -test.v -test.timeout 10m -test.run "^TestGPUResidentPipelineSIGKILL\$"' # ONLY=e2e: TestGPUResidentPipelineSIGKILL, the SIGKILL as a pipeline on a Temporal dev server (needs .carry/e2e.test.xz, temporal.xz)
 T_BENCH=${T_BENCH:-$((TOTAL - SECONDS > 120 ? TOTAL - SECONDS : 120))}
 export RLFLOW_RESIDENT_BUDGET_S=${BENCH_BUDGET:-$((T_BENCH - 40))}
 case " $STEPS " in *" bench "*) echo "bench: ${T_BENCH}s, rounds start within ${RLFLOW_RESIDENT_BUDGET_S}s" ;; esac
