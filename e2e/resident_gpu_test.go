@@ -529,10 +529,7 @@ func startResidentReceiver(ctx context.Context, t *testing.T, r *residentGPURig,
 // (not resolving links: a virtual environment's python is one).
 func residentPython(t *testing.T) string {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	p, err := exec.LookPath(py)
 	if err != nil {
 		t.Skipf("skipping GPU test: no Python %q: %v", py, err)

@@ -55,8 +55,8 @@ func (it *interpreter) track(r *stepRun) {
 		}
 	case pipelines.StepPublish:
 		v, _ := r.result.Outputs["version"].(string)
-		if n, ok := outputInt(r.result.Outputs["iteration"]); ok && v != "" {
-			it.weights = &pipelines.ExpectedWeights{Version: v, TrainerIteration: n}
+		if n, ok := number(r.result.Outputs["iteration"]); ok && n >= 1 && v != "" {
+			it.weights = &pipelines.ExpectedWeights{Version: v, TrainerIteration: int(n)}
 		}
 	case pipelines.StepPause:
 		it.fleetPaused = true
@@ -189,20 +189,6 @@ func (it *interpreter) broadcastLast(ctx workflow.Context, id string, servers []
 }
 
 // control runs a pause or resume on servers with the pipeline's defaults.
-// outputInt reads an integer output as JSON decoded it (float64) or as an
-// activity in the same process returned it.
-func outputInt(v any) (int, bool) {
-	switch n := v.(type) {
-	case float64:
-		return int(n), n == float64(int(n))
-	case int:
-		return n, true
-	case int64:
-		return int(n), true
-	}
-	return 0, false
-}
-
 func (it *interpreter) control(ctx workflow.Context, id, uses string, servers []pipelines.Server, with map[string]any) error {
 	s := &pipelines.Step{ID: id, Uses: uses}
 	args := maps.Clone(with)

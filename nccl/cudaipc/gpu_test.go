@@ -86,10 +86,7 @@ type exporter struct {
 
 func startExporter(t *testing.T, args ...string) *exporter {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	args = append([]string{gputest.Script(t, "ipc_export.py")}, args...)
 	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.ReplaceAll(t.Name(), "/", "_")+".exporter.log")
 	logf, err := os.Create(logPath)

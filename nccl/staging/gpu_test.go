@@ -255,10 +255,7 @@ func launch(t *testing.T, name, hostID string, args ...string) *proc {
 // placement, nothing in spread), logging its output.
 func launchEnv(t *testing.T, name string, env []string, args ...string) *proc {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	cmd := exec.Command(py, args...)
 	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1")
 	// A process of the same name launched again in the same test (the

@@ -124,10 +124,7 @@ func startReceiver(ctx context.Context, t *testing.T, pl gputest.Placement, i in
 // pl.Device(i+1), with NCCL_HOSTID=rlflow-worker<i+1> in single placement.
 func startReceiverAPI(ctx context.Context, t *testing.T, pl gputest.Placement, i int, api vllm.Generation) *httpReceiver {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	port := testutil.FreePort(t)
 	args := []string{gputest.Script(t, "receiver.py"), "--http", strconv.Itoa(port), "--api", string(api), "--device", strconv.Itoa(pl.Device(i + 1)), "--deadline", "600", "--update-deadline", "30"}
 	cmd := exec.Command(py, args...)

@@ -227,10 +227,7 @@ func TestGPUPackedZeroDimRefused(t *testing.T) {
 // packed consumer does (receiver.py --unpack-check, on the CPU); the tensors
 // torch refuses must be exactly those the plan refuses.
 func TestTorchUnpackRuleMatchesPlan(t *testing.T) {
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	if out, err := exec.Command(py, "-c", "import torch").CombinedOutput(); err != nil {
 		t.Skipf("skipping: %s cannot import torch (%v: %s); this check views packed layouts with torch as vLLM does", py, err, bytes.TrimSpace(out))
 	}

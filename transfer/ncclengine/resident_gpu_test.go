@@ -82,10 +82,7 @@ const residentTarget = 1.1
 // a trainer.Spec's Command[0] must be one.
 func residentPython(t *testing.T) string {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	p, err := exec.LookPath(py)
 	if err != nil {
 		t.Skipf("skipping GPU test: no Python %q: %v", py, err)

@@ -84,10 +84,7 @@ type snapshotExporter struct {
 
 func startSnapshotExporter(t *testing.T, device, layers int) *snapshotExporter {
 	t.Helper()
-	py := os.Getenv("RLFLOW_PYTHON")
-	if py == "" {
-		py = "python3"
-	}
+	py := gputest.Python()
 	args := []string{gputest.Script(t, "snapshot_export.py"), "--device", strconv.Itoa(device), "--layers", strconv.Itoa(layers)}
 	logPath := filepath.Join(gputest.LogDir(t, "gpu-logs"), strings.ReplaceAll(t.Name(), "/", "_")+".exporter.log")
 	logf, err := os.Create(logPath)

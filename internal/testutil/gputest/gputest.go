@@ -338,6 +338,15 @@ func XorshiftFill(data []byte, seed uint64, index int) {
 	}
 }
 
+// Python is the interpreter of the GPU tests' Python scripts:
+// $RLFLOW_PYTHON (the GPU host's torch environment), else python3.
+func Python() string {
+	if py := os.Getenv("RLFLOW_PYTHON"); py != "" {
+		return py
+	}
+	return "python3"
+}
+
 // Script is the absolute path of one of the GPU tests' Python scripts in
 // tests/gpu: $RLFLOW_GPU_SCRIPTS/name, else found in the repository
 // (testutil.ModuleRoot). The test fails when it is not there.
