@@ -316,12 +316,12 @@ func TestGPUResidentPipelineSIGKILL(t *testing.T) {
 	}
 	calm, killed := rep.History[:residentIterations], rep.History[residentIterations:]
 	for i := range residentIterations {
-		bad := sumMismatches(killed[i].SHA256, calm[i].SHA256)
+		bad := gputest.DigestMismatches(killed[i].SHA256, calm[i].SHA256)
 		gputest.Verdict(t, bad == 0, "iteration %d: the receiver after run B's publish holds %d of %d tensors as after run A's (SHA-256)",
 			i+1, len(calm[i].SHA256)-bad, len(calm[i].SHA256))
 	}
 	// The comparison can fail: every iteration changed the weights.
-	gputest.Verdict(t, sumMismatches(calm[0].SHA256, calm[1].SHA256) > 0, "the weights after iterations 1 and 2 differ (the comparison above can see a change)")
+	gputest.Verdict(t, gputest.DigestMismatches(calm[0].SHA256, calm[1].SHA256) > 0, "the weights after iterations 1 and 2 differ (the comparison above can see a change)")
 	for _, run := range []struct {
 		name string
 		got  map[string]string
@@ -332,7 +332,7 @@ func TestGPUResidentPipelineSIGKILL(t *testing.T) {
 			gputest.Verdict(t, false, "run %s: %v", run.name, err)
 			continue
 		}
-		bad := sumMismatches(run.got, want)
+		bad := gputest.DigestMismatches(run.got, want)
 		gputest.Verdict(t, bad == 0, "run %s: the receiver's last update holds the bytes of %s: %d of %d tensors",
 			run.name, run.ckpt, len(want)-bad, len(want))
 	}
@@ -578,23 +578,6 @@ func safetensorsDigests(path string) (map[string]string, error) {
 		return nil, errors.New(path + ": no tensors")
 	}
 	return out, nil
-}
-
-// sumMismatches counts the tensors of want that got does not hold with the
-// same SHA-256, and those got holds beyond want.
-func sumMismatches(got, want map[string]string) int {
-	bad := 0
-	for name, sum := range want {
-		if got[name] != sum {
-			bad++
-		}
-	}
-	for name := range got {
-		if _, ok := want[name]; !ok {
-			bad++
-		}
-	}
-	return bad
 }
 
 func isEmptyList(v any) bool {

@@ -262,23 +262,6 @@ func (rep residentReport) hashSeconds() float64 {
 	return max(0, end-begin-rep.Stats.Seconds)
 }
 
-// mismatches counts the tensors of want the receiver does not hold as
-// want says, and any it holds beyond them.
-func mismatches(got, want map[string]string) int {
-	bad := 0
-	for name, sum := range want {
-		if got[name] != sum {
-			bad++
-		}
-	}
-	for name := range got {
-		if _, ok := want[name]; !ok {
-			bad++
-		}
-	}
-	return bad
-}
-
 // checkResident compares the receiver's last update with want (a Verdict)
 // and returns its hashing time.
 func checkResident(ctx context.Context, t *testing.T, url string, want map[string]string, what string) float64 {
@@ -288,7 +271,7 @@ func checkResident(ctx context.Context, t *testing.T, url string, want map[strin
 		gputest.Verdict(t, false, "%s: %v", what, err)
 		return 0
 	}
-	bad := mismatches(rep.SHA256, want)
+	bad := gputest.DigestMismatches(rep.SHA256, want)
 	gputest.Verdict(t, bad == 0 && len(want) > 0, "%s: the receiver holds %d of %d tensors byte-exact (SHA-256; update %d)",
 		what, len(want)-bad, len(want), rep.Updates)
 	return rep.hashSeconds()
@@ -887,7 +870,7 @@ func TestGPUResidentSIGKILL(t *testing.T) {
 		t.FailNow()
 	}
 	for i := 1; i <= iterations; i++ {
-		bad := mismatches(b.received[i], a.received[i])
+		bad := gputest.DigestMismatches(b.received[i], a.received[i])
 		gputest.Verdict(t, bad == 0 && len(a.received[i]) > 0 && a.loss[i] == b.loss[i],
 			"iteration %d: the receiver after run B (killed in iteration %d) holds %d of %d tensors as after run A (SHA-256); loss %v vs %v",
 			i, killAt, len(a.received[i])-bad, len(a.received[i]), b.loss[i], a.loss[i])
@@ -897,7 +880,7 @@ func TestGPUResidentSIGKILL(t *testing.T) {
 		kr   killRun
 	}{{"A", a}, {"B", b}} {
 		want := digests(t, r.kr.final)
-		bad := mismatches(r.kr.received[iterations], want)
+		bad := gputest.DigestMismatches(r.kr.received[iterations], want)
 		gputest.Verdict(t, bad == 0, "run %s: the receiver after iteration %d holds the bytes of %s: %d of %d tensors", r.name, iterations, r.kr.final, len(want)-bad, len(want))
 	}
 	phaseLog(start, "done")

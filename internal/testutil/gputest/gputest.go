@@ -364,3 +364,20 @@ func Script(t testing.TB, name string) string {
 	}
 	return testutil.RepoFile(t, filepath.Join("tests", "gpu", name))
 }
+
+// DigestMismatches counts the tensors of want (name -> SHA-256) that got
+// does not hold with the same digest, and those got holds beyond want.
+func DigestMismatches(got, want map[string]string) int {
+	bad := 0
+	for name, sum := range want {
+		if got[name] != sum {
+			bad++
+		}
+	}
+	for name := range got {
+		if _, ok := want[name]; !ok {
+			bad++
+		}
+	}
+	return bad
+}
