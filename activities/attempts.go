@@ -334,7 +334,7 @@ func (a *Activities) startLive(cmd *exec.Cmd, rec attemptRecord, key string, slo
 	if err := writeRecord(path, rec); err != nil {
 		return nil, fmt.Errorf("writing the attempt record: %w", err)
 	}
-	if err := cmd.Start(); err != nil {
+	if err := procs.Start(cmd); err != nil { // cmd sets Pdeathsig
 		_ = os.Remove(path)
 		return nil, err
 	}

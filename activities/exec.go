@@ -237,7 +237,8 @@ func (a *Activities) startCommand(in ExecInput, prog, dir string, logFile *os.Fi
 	// Own process group, so cancellation reaches the command's children;
 	// Pdeathsig, so a SIGKILLed worker's command dies with it (its
 	// descendants are found by the tag: by the next worker's sweep, or
-	// the step's next attempt).
+	// the step's next attempt), and only then: startLive starts it with
+	// procs.Start, from a thread that never ends.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	rec := attemptRecord{RunID: sc.RunID, Iteration: sc.Iteration, StepID: sc.StepID,
 		WorkflowID: at.WorkflowID, WorkflowRunID: at.WorkflowRunID, ActivityID: at.ActivityID, Attempt: at.Attempt,

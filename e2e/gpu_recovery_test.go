@@ -19,6 +19,7 @@ import (
 
 	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/pipelines"
+	"github.com/rlflow/rlflow/procs"
 	"github.com/rlflow/rlflow/runs"
 	"github.com/rlflow/rlflow/safetensors"
 	"github.com/rlflow/rlflow/vllm/double"
@@ -243,7 +244,7 @@ func startCaptured(t *testing.T, cmd *exec.Cmd, tee io.Writer) func() string {
 	// Wait (not Process.Wait) drains the output into tee before cleanup
 	// closes it; WaitDelay bounds that when a child still holds the pipe.
 	cmd.WaitDelay = 5 * time.Second
-	require.NoError(t, cmd.Start())
+	require.NoError(t, procs.Start(cmd)) // Pdeathsig where cmd sets it: see procs.Start
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()

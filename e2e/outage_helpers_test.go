@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rlflow/rlflow/internal/testutil"
+	"github.com/rlflow/rlflow/procs"
 	"github.com/stretchr/testify/require"
 )
 
@@ -80,7 +81,7 @@ func startOutageProc(t *testing.T, name string, args ...string) *outageProc {
 	p := &outageProc{name: name, cmd: exec.Command(testutil.RlflowBinary(t), args...), done: make(chan struct{})}
 	p.cmd.Stdout, p.cmd.Stderr = p, p
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	require.NoError(t, p.cmd.Start())
+	require.NoError(t, procs.Start(p.cmd))
 	go func() { p.err = p.cmd.Wait(); close(p.done) }()
 	t.Cleanup(func() {
 		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)

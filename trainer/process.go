@@ -8,7 +8,6 @@ import (
 	"io/fs"
 	"os"
 	"os/exec"
-	"runtime"
 	"strconv"
 	"sync"
 	"syscall"
@@ -103,9 +102,10 @@ func startProc(runID string, spec Spec, gen int) (*proc, error) {
 		// Last, so nothing of Env overrides it.
 		procs.TagEnv+"="+tag)
 	// Own process group so a kill reaches the trainer's children;
-	// Pdeathsig so the trainer dies with this worker.
+	// Pdeathsig so the trainer dies with this worker (and only then:
+	// procs.Start forks from a thread that never ends).
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	err = startOnSpawnerThread(cmd)
+	err = procs.Start(cmd)
 	childReq.Close()
 	childRep.Close()
 	if err != nil {
@@ -131,31 +131,6 @@ func startProc(runID string, spec Spec, gen int) (*proc, error) {
 	go p.wait()
 	go p.readFrames()
 	return p, nil
-}
-
-// spawner is the OS thread every trainer is forked from. Pdeathsig fires
-// when the forking *thread* exits, not the process: a goroutine that locks
-// its thread and exits locked (nccl.Device does) ends that thread, and a
-// trainer once forked from it would be SIGKILLed. The spawner's thread is
-// locked for good and never exits, so a trainer dies only with the worker.
-var spawner struct {
-	once sync.Once
-	reqs chan func()
-}
-
-func startOnSpawnerThread(cmd *exec.Cmd) error {
-	spawner.once.Do(func() {
-		spawner.reqs = make(chan func())
-		go func() {
-			runtime.LockOSThread() // never unlocked: the thread lives as long as the process
-			for f := range spawner.reqs {
-				f()
-			}
-		}()
-	})
-	errc := make(chan error, 1)
-	spawner.reqs <- func() { errc <- cmd.Start() }
-	return <-errc
 }
 
 func (p *proc) pid() int { return p.cmd.Process.Pid }

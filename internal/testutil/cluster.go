@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/procs"
 	"github.com/rlflow/rlflow/runs"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/api/serviceerror"
@@ -322,7 +323,7 @@ func (c *Cluster) up(registered bool) {
 		cmd.Dir = c.logDir
 		cmd.Stdout, cmd.Stderr = log, log
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-		err = cmd.Start()
+		err = procs.Start(cmd) // Pdeathsig: see procs.Start
 		log.Close()
 		if err != nil {
 			c.t.Fatalf("starting the Temporal server (%s): %v", name, err)

@@ -1,6 +1,7 @@
 package testutil
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -16,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/rlflow/rlflow/procs"
 )
 
 // Postgres is a private PostgreSQL server for one test: its own data
@@ -140,8 +143,10 @@ func StartPostgres(t testing.TB) *Postgres {
 	// only this directory's owner can reach.
 	initdb := p.command(filepath.Join(bin, "initdb"), "-D", p.dataDir(), "-U", p.User, "--pwfile", pwfile,
 		"--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-locale", "--no-instructions")
-	if out, err := initdb.CombinedOutput(); err != nil {
-		t.Fatalf("initdb in %s: %v\n%s", p.dataDir(), err, out)
+	var out bytes.Buffer
+	initdb.Stdout, initdb.Stderr = &out, &out
+	if err := startAndWait(initdb); err != nil {
+		t.Fatalf("initdb in %s: %v\n%s", p.dataDir(), err, out.Bytes())
 	}
 	_ = os.Remove(pwfile)
 	p.Port = FreePort(t)
@@ -149,10 +154,18 @@ func StartPostgres(t testing.TB) *Postgres {
 	return p
 }
 
+func startAndWait(cmd *exec.Cmd) error {
+	if err := procs.Start(cmd); err != nil {
+		return err
+	}
+	return cmd.Wait()
+}
+
 func (p *Postgres) dataDir() string { return filepath.Join(p.dir, "data") }
 
 // command runs name as the server's account, in its own process group,
-// killed if the test process dies.
+// killed if the test process dies; start it with procs.Start, or
+// startAndWait, so that it dies only then.
 func (p *Postgres) command(name string, args ...string) *exec.Cmd {
 	cmd := exec.Command(name, args...)
 	cmd.Dir = p.dir
@@ -182,7 +195,7 @@ func (p *Postgres) Start() {
 		"-c", "listen_addresses=127.0.0.1", "-c", "port="+strconv.Itoa(p.Port),
 		"-c", "unix_socket_directories="+p.dir, "-c", "max_connections=200")
 	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Start(); err != nil {
+	if err := procs.Start(cmd); err != nil {
 		p.t.Fatalf("starting postgres: %v", err)
 	}
 	done := make(chan struct{})
