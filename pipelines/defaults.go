@@ -16,7 +16,18 @@ const (
 	BackendNCCL = "nccl"
 	// BackendDisk hands the servers a checkpoint path on shared disk.
 	BackendDisk = "disk"
+	// BackendIPC hands vLLM's ipc backend CUDA IPC handles of the resident
+	// trainer's device snapshot: trainer and vLLM worker share a GPU, and
+	// vLLM copies the weights device to device (publish steps only).
+	BackendIPC = "ipc"
 )
+
+// OnGPUWorker reports whether the backend's transfer steps run on the
+// trainer's GPU worker (nccl broadcasts from it; ipc hands out its
+// trainer's memory); a nil WeightTransfer has none.
+func (wt *WeightTransfer) OnGPUWorker() bool {
+	return wt != nil && (wt.Backend == BackendNCCL || wt.Backend == BackendIPC)
+}
 
 // Step and GPU-routing defaults, applied by the interpreter when the file
 // sets nothing.

@@ -108,7 +108,7 @@ var (
 		}
 		return out
 	}()
-	transferKind = []string{BackendNCCL, BackendDisk}
+	transferKind = []string{BackendNCCL, BackendDisk, BackendIPC}
 	// rendezvousKinds are weight_transfer.rendezvous's values.
 	rendezvousKinds = []string{RendezvousAuto, RendezvousTCPStore, RendezvousUniqueID}
 )
@@ -156,13 +156,13 @@ var weightTransferObj = &object{
 	doc: "How new weights reach the servers.",
 	typ: reflect.TypeOf(WeightTransfer{}),
 	fields: []field{
-		{name: "backend", required: true, enum: transferKind, doc: "nccl broadcasts from the trainer's GPU; disk hands the servers a checkpoint path"},
+		{name: "backend", required: true, enum: transferKind, doc: "nccl broadcasts from the trainer's GPU; disk hands the servers a checkpoint path; ipc hands vLLM's ipc backend CUDA IPC handles of the resident trainer's weights (trainer and vLLM on one GPU; needs trainer:, publish steps only)"},
 		{name: "packed", def: false, doc: "pack tensors into large buffers before broadcasting"},
 		{name: "buffer_bytes", kind: kindSize, def: int64(DefaultPackedBufferBytes), doc: "packed: size of one packing buffer: bytes, or a number with B, KiB, MiB, GiB, KB, MB or GB"},
 		{name: "num_buffers", min: bound(1), max: bound(maxInt32), def: int64(DefaultPackedNumBuffers), doc: "packed: packing buffers in flight"},
 		{name: "rendezvous", enum: rendezvousKinds, def: RendezvousAuto, doc: "nccl: how each server gets the NCCL unique id: auto passes it in init_info.nccl_unique_id_b64 to servers of API generation E and through the trainer's TCPStore (pickled) to the others; tcpstore and unique_id force one way for every server (unique_id also suits the newest generation-D builds)"},
-		{name: "gpu_task_queue", def: DefaultGPUTaskQueue, doc: "nccl: task queue the GPU workers poll for gpu_acquire"},
-		{name: "gpu_start_timeout", def: Duration(DefaultGPUStartTimeout), doc: fmt.Sprintf("nccl: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; at least %s", MinGPUStartTimeout)},
+		{name: "gpu_task_queue", def: DefaultGPUTaskQueue, doc: "nccl and ipc: task queue the GPU workers poll for gpu_acquire"},
+		{name: "gpu_start_timeout", def: Duration(DefaultGPUStartTimeout), doc: fmt.Sprintf("nccl and ipc: how long a GPU step waits for its worker to pick it up before the worker counts as lost and another is acquired; at least %s", MinGPUStartTimeout)},
 	},
 }
 

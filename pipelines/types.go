@@ -172,7 +172,7 @@ type Server struct {
 
 // WeightTransfer configures how new weights reach the servers.
 type WeightTransfer struct {
-	Backend     string `json:"backend" yaml:"backend"` // BackendNCCL or BackendDisk
+	Backend     string `json:"backend" yaml:"backend"` // BackendNCCL, BackendDisk or BackendIPC
 	Packed      bool   `json:"packed,omitempty" yaml:"packed,omitempty"`
 	BufferBytes int64  `json:"buffer_bytes,omitempty" yaml:"-"`
 	NumBuffers  int    `json:"num_buffers,omitempty" yaml:"num_buffers,omitempty"`

@@ -145,27 +145,31 @@ func unwrapURLError(err error) error {
 const MinGPUStartTimeout = Duration(time.Second)
 
 // checkWeightTransfer checks the GPU routing settings: they only mean
-// something for the nccl backend, and a GPU step's queue is chosen by the
-// interpreter (the acquired worker's), never by the file.
+// something for the backends that run on a GPU worker, and a GPU step's
+// queue is chosen by the interpreter (the acquired worker's), never by the
+// file. The ipc backend takes neither the NCCL settings nor checkpoints.
 func (l *loader) checkWeightTransfer() {
 	wt := l.p.WeightTransfer
 	if wt == nil {
 		return
 	}
-	if wt.Backend != BackendNCCL {
+	if !wt.OnGPUWorker() {
 		for _, f := range []string{"gpu_task_queue", "gpu_start_timeout"} {
 			if _, ok := l.pos["weight_transfer."+f]; ok {
-				l.errPath("weight_transfer."+f, "only applies to backend nccl, not %q", wt.Backend)
+				l.errPath("weight_transfer."+f, "only applies to backends nccl and ipc, not %q", wt.Backend)
 			}
 		}
 		return
+	}
+	if wt.Backend == BackendIPC {
+		l.checkIPC()
 	}
 	if _, ok := l.pos["weight_transfer.gpu_start_timeout"]; ok && !l.bad["weight_transfer.gpu_start_timeout"] && wt.GPUStartTimeout < MinGPUStartTimeout {
 		l.errPath("weight_transfer.gpu_start_timeout", "must be at least %s, got %s: a shorter wait takes a busy GPU worker for dead", MinGPUStartTimeout, wt.GPUStartTimeout)
 	}
 	for i, s := range l.p.Steps {
 		if s.TaskQueue != "" && slices.Contains(GPUStepTypes, s.Uses) {
-			l.errPath(indexPath("steps", i)+".task_queue", "%s steps run on the GPU worker acquired for them with backend nccl; remove task_queue (set weight_transfer.gpu_task_queue to choose the GPU pool)", s.Uses)
+			l.errPath(indexPath("steps", i)+".task_queue", "%s steps run on the GPU worker acquired for them with backend %s; remove task_queue (set weight_transfer.gpu_task_queue to choose the GPU pool)", s.Uses, wt.Backend)
 		}
 	}
 }
@@ -178,8 +182,8 @@ func (l *loader) checkTrainer() {
 	if tr == nil {
 		return
 	}
-	if wt := l.p.WeightTransfer; wt == nil || wt.Backend != BackendNCCL {
-		l.errPath("trainer", "a resident trainer runs on the GPU worker, which only pipelines with weight_transfer: {backend: nccl} use")
+	if !l.p.WeightTransfer.OnGPUWorker() {
+		l.errPath("trainer", "a resident trainer runs on the GPU worker, which only pipelines with weight_transfer: {backend: nccl} or {backend: ipc} use")
 	}
 	if !l.bad["trainer.secrets"] && len(tr.Secrets) > 0 {
 		env := map[string]string{}
@@ -188,6 +192,25 @@ func (l *loader) checkTrainer() {
 		}
 		if err := CheckExecSecrets(tr.Secrets, env); err != nil {
 			l.errPath("trainer.secrets", "%v", err)
+		}
+	}
+}
+
+// checkIPC checks a pipeline of the ipc backend: vLLM opens CUDA IPC
+// handles of the resident trainer's snapshot, one per tensor, so there is
+// a trainer, nothing NCCL-specific is set, and no step sends a checkpoint.
+func (l *loader) checkIPC() {
+	if l.p.Trainer == nil && !l.bad["trainer"] {
+		l.errPath("weight_transfer.backend", "ipc hands vLLM CUDA IPC handles of the resident trainer's GPU memory: it needs a trainer: section (trainer: {command: [...], checkpoint_dir: ...}) and publish steps")
+	}
+	for _, f := range []string{"packed", "buffer_bytes", "num_buffers", "rendezvous"} {
+		if _, ok := l.pos["weight_transfer."+f]; ok {
+			l.errPath("weight_transfer."+f, "applies to backend nccl only; vLLM's ipc backend takes one handle per tensor")
+		}
+	}
+	for i, s := range l.p.Steps {
+		if s.Uses == StepBroadcast {
+			l.errPath(indexPath("steps", i)+".uses", "broadcast sends a checkpoint, which backend ipc cannot: it hands vLLM the resident trainer's GPU memory; use a publish step")
 		}
 	}
 }

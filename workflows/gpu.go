@@ -31,9 +31,9 @@ type gpuRouting struct {
 }
 
 // routesGPU reports whether the pipeline's transfer steps need a GPU
-// worker: nccl backend and at least one GPU step.
+// worker: a backend that runs there (nccl, ipc) and at least one GPU step.
 func routesGPU(p *pipelines.Pipeline) bool {
-	if p.WeightTransfer == nil || p.WeightTransfer.Backend != pipelines.BackendNCCL {
+	if !p.WeightTransfer.OnGPUWorker() {
 		return false
 	}
 	for _, s := range p.Steps {
