@@ -370,8 +370,10 @@ func decodeSave(r *reply) (s saveReply, err error) {
 }
 
 // decodePublish reads publish's answer into a Snapshot and validates it in
-// full (Snapshot.Validate); Owner is the caller's to fill.
-func decodePublish(r *reply) (*Snapshot, error) {
+// full (Snapshot.Validate); Owner is the caller's to fill. wantRefs says
+// whether the request asked for ipc_refs: the reply must then carry them,
+// and must not otherwise.
+func decodePublish(r *reply, wantRefs bool) (*Snapshot, error) {
 	s := &Snapshot{}
 	var err error
 	if s.Version, err = r.str("version"); err != nil {
@@ -430,10 +432,89 @@ func decodePublish(r *reply) (*Snapshot, error) {
 			return nil, err
 		}
 	}
+	if s.Refs, err = decodeRefs(r, wantRefs); err != nil {
+		return nil, err
+	}
 	if err := s.Validate(); err != nil {
 		return nil, r.ref.protocolError("%v", err)
 	}
 	return s, nil
+}
+
+// decodeRefs reads the reply's ipc_refs: nil when not asked (and then
+// absent), a non-nil slice when asked; their count and bounds are
+// Snapshot.Validate's to check.
+func decodeRefs(r *reply, want bool) ([]IPCRef, error) {
+	v, present := r.fields["ipc_refs"]
+	switch {
+	case !want && present:
+		return nil, r.ref.protocolError("field \"ipc_refs\": present, but the publish did not ask for it")
+	case !want:
+		return nil, nil
+	case !present:
+		return nil, r.ref.protocolError("field \"ipc_refs\" missing (the publish asked for it)")
+	}
+	list, err := parseArray(r.ref, "ipc_refs", v)
+	if err != nil {
+		return nil, err
+	}
+	refs := make([]IPCRef, len(list))
+	for i, raw := range list {
+		if refs[i], err = decodeRef(r.ref, fmt.Sprintf("ipc_refs[%d]", i), raw); err != nil {
+			return nil, err
+		}
+	}
+	return refs, nil
+}
+
+func decodeRef(ref frameRef, field string, raw json.RawMessage) (out IPCRef, err error) {
+	obj, err := parseObject(ref, field, raw)
+	if err != nil {
+		return out, err
+	}
+	get := func(name string) (json.RawMessage, error) {
+		v, ok := obj[name]
+		if !ok {
+			return nil, ref.protocolError("field %q missing", field+"."+name)
+		}
+		return v, nil
+	}
+	// b64 decodes a base64 field; null is nil when nullable.
+	b64 := func(name string, nullable bool) ([]byte, error) {
+		v, err := get(name)
+		if err != nil || (nullable && jsonType(v) == "null") {
+			return nil, err
+		}
+		text, err := parseStr(ref, field+"."+name, v)
+		if err != nil {
+			return nil, err
+		}
+		b, err := base64.StdEncoding.DecodeString(text)
+		if err != nil {
+			return nil, ref.protocolError("field %q: not standard base64", field+"."+name)
+		}
+		return b, nil
+	}
+	if out.CounterHandle, err = b64("ref_counter_handle", false); err != nil {
+		return out, err
+	}
+	v, err := get("ref_counter_offset")
+	if err == nil {
+		out.CounterOffset, err = parseInt(ref, field+".ref_counter_offset", v)
+	}
+	if err != nil {
+		return out, err
+	}
+	if out.EventHandle, err = b64("event_handle", true); err != nil {
+		return out, err
+	}
+	if v, err = get("event_sync_required"); err != nil {
+		return out, err
+	}
+	if jsonType(v) != "bool" || json.Unmarshal(v, &out.EventSyncRequired) != nil {
+		return out, ref.protocolError("field %q: want a bool, got %s", field+".event_sync_required", jsonType(v))
+	}
+	return out, nil
 }
 
 func decodeTensor(ref frameRef, field string, raw json.RawMessage) (t Tensor, err error) {

@@ -2,6 +2,8 @@ package trainer
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/base64"
 	"errors"
 	"flag"
 	"fmt"
@@ -31,9 +33,10 @@ func golden(t *testing.T, name, got string) {
 	assert.Equal(t, string(want), got)
 }
 
-// decodeAs decodes line as the reply to op (id 7) with op's decoder.
+// decodeAs decodes line as the reply to op (id 7) with op's decoder;
+// "publish-refs" is a publish that asked for ipc_refs.
 func decodeAs(op string, line string) error {
-	r, err := decodeReply(frameRef{op: op, id: 7}, []byte(line))
+	r, err := decodeReply(frameRef{op: strings.TrimSuffix(op, "-refs"), id: 7}, []byte(line))
 	if err != nil {
 		return err
 	}
@@ -47,7 +50,9 @@ func decodeAs(op string, line string) error {
 	case "save":
 		_, err = decodeSave(r)
 	case "publish":
-		_, err = decodePublish(r)
+		_, err = decodePublish(r, false)
+	case "publish-refs":
+		_, err = decodePublish(r, true)
 	}
 	return err
 }
@@ -64,6 +69,26 @@ func publishWith(tensors string, extra ...string) string {
 }
 
 const twoTensors = `[{"name":"a","dtype":"float32","shape":[2,2],"offset":0,"bytes":16},{"name":"b","dtype":"bfloat16","shape":[3],"offset":16,"bytes":6}]`
+
+// Two ipc_refs for twoTensors: "/torch_1_2_0" slots 0 and 1, the second
+// with a 64-byte event handle of 0x07s.
+var (
+	eventB64 = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, IPCEventHandleBytes))
+	twoRefs  = `"ipc_refs":[{"ref_counter_handle":"L3RvcmNoXzFfMl8w","ref_counter_offset":0,"event_handle":null,"event_sync_required":false},` +
+		`{"ref_counter_handle":"L3RvcmNoXzFfMl8w","ref_counter_offset":1,"event_handle":"` + eventB64 + `","event_sync_required":true}]`
+)
+
+// publishRefs is a valid publish reply with ipc_refs: twoRefs with old
+// replaced by new (all of it when old is "").
+func publishRefs(old, new string) string {
+	refs := twoRefs
+	if old == "" {
+		refs = new
+	} else {
+		refs = strings.Replace(refs, old, new, 1)
+	}
+	return publishWith(twoTensors, `"version":"v1","ipc":"fake_shm","path":"/dev/shm/s","storage_bytes":64,"storage_offset":0,"device":0,"snapshot_seconds":0.1,`+refs)
+}
 
 func TestReplyErrorsGolden(t *testing.T) {
 	base := `"version":"v1","ipc":"fake_shm","path":"/dev/shm/s","storage_bytes":64,"storage_offset":0,"device":0,"snapshot_seconds":0.1`
@@ -121,6 +146,33 @@ func TestReplyErrorsGolden(t *testing.T) {
 		{"publish tensors overlapping", "publish", publishWith(strings.Replace(twoTensors, `"offset":16`, `"offset":14`, 1), base)},
 		{"publish tensors out of order", "publish", publishWith(`[{"name":"a","dtype":"float32","shape":[2],"offset":8,"bytes":8},{"name":"b","dtype":"float32","shape":[2],"offset":0,"bytes":8}]`, base)},
 		{"publish tensor past storage_bytes", "publish", publishWith(strings.Replace(twoTensors, `"offset":16`, `"offset":60`, 1), base)},
+		{"publish ipc_refs unasked", "publish", publishRefs("", twoRefs)},
+		{"publish ipc_refs null unasked", "publish", publishRefs("", `"ipc_refs":null`)},
+		{"publish ipc_refs missing", "publish-refs", publishWith(twoTensors)},
+		{"publish ipc_refs null", "publish-refs", publishRefs("", `"ipc_refs":null`)},
+		{"publish ipc_refs an object", "publish-refs", publishRefs("", `"ipc_refs":{}`)},
+		{"publish ipc_refs empty", "publish-refs", publishRefs("", `"ipc_refs":[]`)},
+		{"publish ipc_refs one short", "publish-refs", publishRefs("", twoRefs[:strings.Index(twoRefs, "},{")]+"}]")},
+		{"publish ipc_ref not an object", "publish-refs", publishRefs("", `"ipc_refs":[1,2]`)},
+		{"publish ipc_ref counter handle missing", "publish-refs", publishRefs(`"ref_counter_handle":"L3RvcmNoXzFfMl8w",`, ``)},
+		{"publish ipc_ref counter handle not base64", "publish-refs", publishRefs(`"L3RvcmNoXzFfMl8w"`, `"/torch_1_2_0"`)},
+		{"publish ipc_ref counter handle unpadded", "publish-refs", publishRefs(`"L3RvcmNoXzFfMl8w"`, `"L3RvcmNoXzFfMl8"`)},
+		{"publish ipc_ref counter handle null", "publish-refs", publishRefs(`"L3RvcmNoXzFfMl8w"`, `null`)},
+		{"publish ipc_ref counter handle empty", "publish-refs", publishRefs(`"L3RvcmNoXzFfMl8w"`, `""`)},
+		{"publish ipc_ref counter handle too long", "publish-refs", publishRefs(`"L3RvcmNoXzFfMl8w"`, `"`+base64.StdEncoding.EncodeToString(make([]byte, MaxRefCounterHandleBytes+1))+`"`)},
+		{"publish ipc_ref offset missing", "publish-refs", publishRefs(`"ref_counter_offset":0,`, ``)},
+		{"publish ipc_ref offset negative", "publish-refs", publishRefs(`"ref_counter_offset":0`, `"ref_counter_offset":-1`)},
+		{"publish ipc_ref offset a fraction", "publish-refs", publishRefs(`"ref_counter_offset":0`, `"ref_counter_offset":0.5`)},
+		{"publish ipc_ref offset a string", "publish-refs", publishRefs(`"ref_counter_offset":0`, `"ref_counter_offset":"0"`)},
+		{"publish ipc_ref event handle missing", "publish-refs", publishRefs(`"event_handle":null,`, ``)},
+		{"publish ipc_ref event handle a number", "publish-refs", publishRefs(`"event_handle":null`, `"event_handle":0`)},
+		{"publish ipc_ref event handle not base64", "publish-refs", publishRefs(`"event_handle":null`, `"event_handle":"%%"`)},
+		{"publish ipc_ref event handle empty", "publish-refs", publishRefs(`"event_handle":null`, `"event_handle":""`)},
+		{"publish ipc_ref event handle 63 bytes", "publish-refs", publishRefs(`"`+eventB64+`"`, `"`+base64.StdEncoding.EncodeToString(make([]byte, 63))+`"`)},
+		{"publish ipc_ref event handle 66 bytes", "publish-refs", publishRefs(`"`+eventB64+`"`, `"`+base64.StdEncoding.EncodeToString(make([]byte, 66))+`"`)},
+		{"publish ipc_ref event sync without an event handle", "publish-refs", publishRefs(`"event_handle":null,"event_sync_required":false`, `"event_handle":null,"event_sync_required":true`)},
+		{"publish ipc_ref event_sync_required missing", "publish-refs", publishRefs(`,"event_sync_required":false`, ``)},
+		{"publish ipc_ref event_sync_required a number", "publish-refs", publishRefs(`"event_sync_required":true`, `"event_sync_required":1`)},
 	}
 	var b strings.Builder
 	for _, tc := range cases {
@@ -138,7 +190,7 @@ func TestValidRepliesDecode(t *testing.T) {
 		"an unknown key in a reply is ignored")
 	r, err := decodeReply(frameRef{op: "publish", id: 7}, []byte(publishWith(twoTensors)))
 	require.NoError(t, err)
-	s, err := decodePublish(r)
+	s, err := decodePublish(r, false)
 	require.NoError(t, err)
 	assert.Equal(t, &Snapshot{Version: "v1", IPC: IPCFakeShm, Path: "/dev/shm/s", StorageBytes: 64, Device: 0, SnapshotSeconds: 0.1,
 		Tensors: []Tensor{{"a", "float32", []int64{2, 2}, 0, 16}, {"b", "bfloat16", []int64{3}, 16, 6}}}, s)
@@ -146,6 +198,14 @@ func TestValidRepliesDecode(t *testing.T) {
 	err = decodeAs("train", `{"id":7,"ok":false,"error":"`+strings.Repeat("é", 1500)+`"}`)
 	require.Error(t, err)
 	assert.Len(t, err.Error(), len("refused by the trainer: ")+maxRefusalText+len("..."), "a long refusal is cut at a rune's start")
+	r, err = decodeReply(frameRef{op: "publish", id: 7}, []byte(publishRefs("", twoRefs+`,"new_field":1`)))
+	require.NoError(t, err)
+	s, err = decodePublish(r, true)
+	require.NoError(t, err)
+	assert.Equal(t, []IPCRef{{CounterHandle: []byte("/torch_1_2_0"), CounterOffset: 0},
+		{CounterHandle: []byte("/torch_1_2_0"), CounterOffset: 1, EventHandle: bytes.Repeat([]byte{7}, IPCEventHandleBytes), EventSyncRequired: true}}, s.Refs)
+	require.NoError(t, decodeAs("publish-refs", publishRefs(`,"event_sync_required":false}`, `,"event_sync_required":false,"extra":[]}`)),
+		"an unknown key in an ipc_refs entry is ignored, as in the rest of a reply")
 	// A zero-size tensor takes no room; the next may start at its offset.
 	require.NoError(t, decodeAs("publish", publishWith(`[{"name":"a","dtype":"int64","shape":[0],"offset":0,"bytes":0},{"name":"b","dtype":"int64","shape":[],"offset":0,"bytes":8}]`)))
 }
@@ -189,11 +249,12 @@ func TestReadFrame(t *testing.T) {
 func FuzzDecodeReply(f *testing.F) {
 	for _, s := range []string{okHello, publishWith(twoTensors), `{"id":7,"ok":false,"error":"x"}`,
 		`{"id":7,"ok":true,"iteration":3,"metrics":{"loss":0.5},"seconds":1,"step_done_unix":1}`,
-		`{"id":7,"ok":true,"path":"/c","bytes":1,"seconds":1}`, `{"id":7,"ok":true,"iteration":1,"seconds":0}`} {
+		`{"id":7,"ok":true,"path":"/c","bytes":1,"seconds":1}`, `{"id":7,"ok":true,"iteration":1,"seconds":0}`,
+		publishRefs("", twoRefs), publishRefs(`"event_handle":null`, `"event_handle":""`), publishRefs("", `"ipc_refs":[]`)} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, line string) {
-		for _, op := range []string{"hello", "load", "train", "save", "publish", "release"} {
+		for _, op := range []string{"hello", "load", "train", "save", "publish", "publish-refs", "release"} {
 			err := decodeAs(op, line)
 			if err == nil {
 				continue

@@ -33,8 +33,9 @@ const (
 // kind and its handle or path, the storage bounds, and the layout (names
 // unique and non-empty, known dtypes, non-negative shapes, bytes matching
 // shape and dtype, offsets ascending, aligned to the item size, not
-// overlapping, within StorageBytes). Its error names the field (in the
-// reply's spelling), never a value of the trainer's text.
+// overlapping, within StorageBytes), and Refs when present (validateRefs).
+// Its error names the field (in the reply's spelling), never a value of the
+// trainer's text.
 func (s *Snapshot) Validate() error {
 	if s.Version == "" {
 		return fmt.Errorf("field \"version\": empty")
@@ -106,6 +107,38 @@ func (s *Snapshot) Validate() error {
 			return fmt.Errorf("field \"%s.offset\": %d + bytes %d, past storage_bytes %d", field, t.Offset, t.Bytes, s.StorageBytes)
 		}
 		end = t.Offset + t.Bytes
+	}
+	return s.validateRefs()
+}
+
+// validateRefs checks Refs, when there are any: one per tensor, each
+// with a counter handle of 1 to MaxRefCounterHandleBytes bytes, a
+// non-negative offset, and an event handle of IPCEventHandleBytes or none
+// (none only when no sync is required).
+func (s *Snapshot) validateRefs() error {
+	if s.Refs == nil {
+		return nil
+	}
+	if len(s.Refs) != len(s.Tensors) {
+		return fmt.Errorf("field \"ipc_refs\": %d for %d tensors, want one per tensor", len(s.Refs), len(s.Tensors))
+	}
+	for i, r := range s.Refs {
+		field := fmt.Sprintf("ipc_refs[%d]", i)
+		switch n := len(r.CounterHandle); {
+		case n == 0:
+			return fmt.Errorf("field \"%s.ref_counter_handle\": empty", field)
+		case n > MaxRefCounterHandleBytes:
+			return fmt.Errorf("field \"%s.ref_counter_handle\": %d bytes, want at most %d", field, n, MaxRefCounterHandleBytes)
+		}
+		if r.CounterOffset < 0 {
+			return fmt.Errorf("field \"%s.ref_counter_offset\": %d, want >= 0", field, r.CounterOffset)
+		}
+		if r.EventHandle != nil && len(r.EventHandle) != IPCEventHandleBytes {
+			return fmt.Errorf("field \"%s.event_handle\": %d bytes, want %d or null", field, len(r.EventHandle), IPCEventHandleBytes)
+		}
+		if r.EventSyncRequired && r.EventHandle == nil {
+			return fmt.Errorf("field \"%s.event_sync_required\": true without an event_handle", field)
+		}
 	}
 	return nil
 }

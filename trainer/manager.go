@@ -474,9 +474,16 @@ func (m *Manager) Save(ctx context.Context, runID string, spec Spec, iteration i
 }
 
 // Publish has the trainer snapshot its weights (cast to dtype: keep,
-// bfloat16 or float16) as version, restarting it first when needed, and
-// returns the snapshot, checked in full, with Owner naming the process.
+// bfloat16 or float16) as version: PublishWith without IPC refs.
 func (m *Manager) Publish(ctx context.Context, runID string, spec Spec, version, dtype string) (*Snapshot, *Restart, error) {
+	return m.PublishWith(ctx, runID, spec, PublishRequest{Version: version, DType: dtype})
+}
+
+// PublishWith has the trainer snapshot its weights as req says, restarting
+// it first when needed, and returns the snapshot, checked in full, with
+// Owner naming the process and, when req.IPCRefs, Refs one per tensor.
+func (m *Manager) PublishWith(ctx context.Context, runID string, spec Spec, req PublishRequest) (*Snapshot, *Restart, error) {
+	version, dtype := req.Version, req.DType
 	what := fmt.Sprintf("run %s: publish of version %s", runID, version)
 	if err := spec.Validate(); err != nil {
 		return nil, nil, within(err, "%s", what)
@@ -496,11 +503,17 @@ func (m *Manager) Publish(ctx context.Context, runID string, spec Spec, version,
 	if err != nil {
 		return nil, nil, within(err, "%s", what)
 	}
-	rep, err := p.call(ctx, fmt.Sprintf("publish of version %s", version), "publish", map[string]any{"version": version, "dtype": dtype})
+	fields := map[string]any{"version": version, "dtype": dtype}
+	if req.IPCRefs {
+		// Sent only when asked: a trainer that predates it refuses
+		// unknown fields.
+		fields["ipc_refs"] = true
+	}
+	rep, err := p.call(ctx, fmt.Sprintf("publish of version %s", version), "publish", fields)
 	if err != nil {
 		return nil, rs, within(err, "run %s", runID)
 	}
-	s, err := decodePublish(rep)
+	s, err := decodePublish(rep, req.IPCRefs)
 	if err != nil {
 		return nil, rs, within(p.protocolFault(err), "run %s", runID)
 	}

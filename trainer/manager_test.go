@@ -244,6 +244,15 @@ func TestEveryOperationRoundTrips(t *testing.T) {
 	assert.Equal(t, s.Path, half.Path)
 	assert.Equal(t, s.Bytes()/2, half.Bytes())
 	require.NoError(t, m.Release(ctx, "r1", "v3-bf16"))
+	assert.Nil(t, s.Refs, "not asked for")
+	withRefs, rs, err := m.PublishWith(ctx, "r1", spec, trainer.PublishRequest{Version: "v3-refs", DType: trainer.DTypeKeep, IPCRefs: true})
+	require.NoError(t, err)
+	assert.Nil(t, rs)
+	fake := []byte(trainertest.FakeRefCounterHandle)
+	assert.Equal(t, []trainer.IPCRef{{CounterHandle: fake, CounterOffset: 0}, {CounterHandle: fake, CounterOffset: 1}, {CounterHandle: fake, CounterOffset: 2}},
+		withRefs.Refs, "one per tensor, in order")
+	assert.Equal(t, weights, digest(t, withRefs))
+	require.NoError(t, m.Release(ctx, "r1", "v3-refs"))
 
 	sv, rs, err := m.Save(ctx, "r1", spec, 3)
 	require.NoError(t, err)
@@ -504,6 +513,10 @@ func TestProtocolErrorsGolden(t *testing.T) {
 		{"another version", "publish", strings.Replace(fmt.Sprintf(publish, 24, 16), `"v1"`, `"v0"`, 1)},
 		{"another device", "publish", strings.Replace(fmt.Sprintf(publish, 24, 16), `"device":0`, `"device":1`, 1)},
 		{"float32 left in a bfloat16 publish", "publish-bf16", fmt.Sprintf(publish, 24, 16)},
+		{"ipc_refs asked for, missing", "publish-refs", fmt.Sprintf(publish, 24, 16)},
+		{"ipc_refs not asked for", "publish", strings.Replace(fmt.Sprintf(publish, 24, 16), `"tensors"`, `"ipc_refs":[],"tensors"`, 1)},
+		{"ipc_refs one for two tensors", "publish-refs", strings.Replace(fmt.Sprintf(publish, 24, 16), `"tensors"`,
+			`"ipc_refs":[{"ref_counter_handle":"eA==","ref_counter_offset":0,"event_handle":null,"event_sync_required":false}],"tensors"`, 1)},
 		{"exit without a reply (died, not protocol)", "train", "exit"},
 	}
 	ro := rolloutFiles(t, 1)
@@ -519,6 +532,8 @@ func TestProtocolErrorsGolden(t *testing.T) {
 			_, _, err = m.Publish(ctx, "r1", spec, "v1", trainer.DTypeKeep)
 		case "publish-bf16":
 			_, _, err = m.Publish(ctx, "r1", spec, "v1", trainer.DTypeBFloat16)
+		case "publish-refs":
+			_, _, err = m.PublishWith(ctx, "r1", spec, trainer.PublishRequest{Version: "v1", DType: trainer.DTypeKeep, IPCRefs: true})
 		}
 		require.Error(t, err, tc.name)
 		_, _, running := m.Running("r1")

@@ -39,6 +39,34 @@ type Snapshot struct {
 	Iteration int
 	// SnapshotSeconds is how long the trainer was blocked copying.
 	SnapshotSeconds float64
+	// Refs are the tensors' CUDA IPC ref-counter slots, one per entry of
+	// Tensors in that order (the reply's ipc_refs), when the publish asked
+	// for them (PublishRequest.IPCRefs); nil otherwise.
+	Refs []IPCRef
+}
+
+// MaxRefCounterHandleBytes bounds IPCRef.CounterHandle: torch's handle is
+// the name of a shared-memory file ("/torch_<pid>_<random>_<n>").
+const MaxRefCounterHandleBytes = 256
+
+// IPCEventHandleBytes is the size of a cudaIpcEventHandle_t.
+const IPCEventHandleBytes = 64
+
+// IPCRef is one tensor's share of the snapshot's storage as torch exports
+// it: the fields 4 to 7 of its own storage._share_cuda_() call, which
+// vLLM's ipc backend hands to torch's rebuild_cuda_tensor. Every tensor
+// has its own ref-counter slot: the receiver releases one per tensor (a
+// slot shared by N tensors would be released N times).
+type IPCRef struct {
+	// CounterHandle names torch's ref-counter file (_share_cuda_()[4]),
+	// CounterOffset the slot in it ([5]).
+	CounterHandle []byte
+	CounterOffset int64
+	// EventHandle is the cudaIpcEventHandle_t the receiver waits on ([6]:
+	// IPCEventHandleBytes, or nil when torch gave None);
+	// EventSyncRequired says whether it must ([7]).
+	EventHandle       []byte
+	EventSyncRequired bool
 }
 
 // Tensor is one tensor of a snapshot, in state-dict order.

@@ -106,6 +106,20 @@ func (r TrainRequest) validate() error {
 	return nil
 }
 
+// PublishRequest is one publish (PROTOCOL.md "publish").
+type PublishRequest struct {
+	// Version names the snapshot (non-empty); Release takes it back.
+	Version string
+	// DType is DTypeKeep, DTypeBFloat16 or DTypeFloat16: what float32
+	// tensors are cast to.
+	DType string
+	// IPCRefs asks the trainer for one CUDA IPC ref-counter slot per
+	// tensor (Snapshot.Refs): what vLLM's ipc backend needs to rebuild
+	// each tensor with torch's rebuild_cuda_tensor. The NCCL path does
+	// not need them.
+	IPCRefs bool
+}
+
 // TrainResult is what a train step reports.
 type TrainResult struct {
 	Iteration    int

@@ -14,6 +14,7 @@ import (
 	"bufio"
 	"bytes"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -260,8 +261,16 @@ type request struct {
 // opFields are the fields each op takes; any other is an error.
 var opFields = map[string][]string{
 	"hello": {"protocol"}, "load": {"path"}, "train": {"iteration", "rollouts", "args"},
-	"publish": {"version", "dtype"}, "release": {"version"}, "save": {"path", "iteration"}, "shutdown": {},
+	"publish": {"version", "dtype", "ipc_refs"}, "release": {"version"}, "save": {"path", "iteration"}, "shutdown": {},
 }
+
+// optionalFields ("op.field") may be missing.
+var optionalFields = map[string]bool{"publish.ipc_refs": true}
+
+// FakeRefCounterHandle is the ref_counter_handle of every ipc_refs entry a
+// fake_shm snapshot carries (PROTOCOL.md "publish"): a TEST DOUBLE's, no
+// file of that name exists.
+const FakeRefCounterHandle = "fake_refcounter"
 
 // handle answers one request line; it returns the reply and the op.
 func (f *fake) handle(line []byte) (map[string]any, string) {
@@ -308,7 +317,7 @@ func (f *fake) decode(line []byte) (request, error) {
 		}
 	}
 	for _, a := range allowed {
-		if _, ok := m[a]; !ok {
+		if _, ok := m[a]; !ok && !optionalFields[req.op+"."+a] {
 			return req, fmt.Errorf("%s: field %q missing", req.op, a)
 		}
 	}
@@ -322,6 +331,21 @@ func (r request) int(name string) (int, error) {
 		return 0, fmt.Errorf("field %q: want an integer", name)
 	}
 	return n, nil
+}
+
+// optBool is a bool field that may be missing (false).
+func (r request) optBool(name string) (bool, error) {
+	raw, ok := r.fields[name]
+	if !ok {
+		return false, nil
+	}
+	switch string(bytes.TrimSpace(raw)) { // strict: null is not false
+	case "true":
+		return true, nil
+	case "false":
+		return false, nil
+	}
+	return false, fmt.Errorf("field %q: want a bool", name)
 }
 
 func (r request) str(name string) (string, error) {
@@ -440,6 +464,10 @@ func (f *fake) publish(r request) (map[string]any, error) {
 	if err != nil {
 		return nil, err
 	}
+	refs, err := r.optBool("ipc_refs")
+	if err != nil {
+		return nil, err
+	}
 	if f.unreleased != "" {
 		return nil, errors.New("the previous version is not released yet")
 	}
@@ -480,9 +508,24 @@ func (f *fake) publish(r request) (map[string]any, error) {
 		return nil, err
 	}
 	f.unreleased = version
-	return map[string]any{"version": version, "ipc": trainer.IPCFakeShm, "path": f.snapshot,
+	reply := map[string]any{"version": version, "ipc": trainer.IPCFakeShm, "path": f.snapshot,
 		"storage_bytes": len(buf), "storage_offset": 0, "device": f.device, "tensors": tensors,
-		"snapshot_seconds": time.Since(began).Seconds()}, nil
+		"snapshot_seconds": time.Since(began).Seconds()}
+	if refs {
+		reply["ipc_refs"] = fakeRefs(len(tensors))
+	}
+	return reply, nil
+}
+
+// fakeRefs are a fake_shm snapshot's ipc_refs for n tensors: the one fake
+// ref-counter file, slots 0 to n-1, no event.
+func fakeRefs(n int) []map[string]any {
+	handle := base64.StdEncoding.EncodeToString([]byte(FakeRefCounterHandle))
+	refs := make([]map[string]any, n)
+	for i := range refs {
+		refs[i] = map[string]any{"ref_counter_handle": handle, "ref_counter_offset": i, "event_handle": nil, "event_sync_required": false}
+	}
+	return refs
 }
 
 func (f *fake) writeSnapshot(buf []byte, die func()) error {

@@ -2,6 +2,7 @@ package trainertest
 
 import (
 	"bufio"
+	"encoding/base64"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -139,12 +140,25 @@ func TestFakeSpeaksTheProtocol(t *testing.T) {
 	assert.Contains(t, refusal(t, c.call("release", map[string]any{"version": "v0"})), "not the published one")
 	okReply(t, c.call("release", map[string]any{"version": "v1"}))
 
-	p = okReply(t, c.call("publish", map[string]any{"version": "v2", "dtype": "bfloat16"}))
+	p = okReply(t, c.call("publish", map[string]any{"version": "v2", "dtype": "bfloat16", "ipc_refs": false}))
+	assert.NotContains(t, p, "ipc_refs", "not asked for")
 	s2 := snapshotOf(t, p)
 	assert.Equal(t, s.Path, s2.Path, "the snapshot file is kept across publishes")
 	assert.Equal(t, int64(38), s2.StorageBytes)
 	assert.Equal(t, "bfloat16", s2.Tensors[1].DType)
 	okReply(t, c.call("release", map[string]any{"version": "v2"}))
+
+	for _, bad := range []any{nil, "true", 1} {
+		assert.Contains(t, refusal(t, c.call("publish", map[string]any{"version": "v3", "dtype": "keep", "ipc_refs": bad})),
+			`field "ipc_refs": want a bool`, "%v", bad)
+	}
+	p = okReply(t, c.call("publish", map[string]any{"version": "v3", "dtype": "keep", "ipc_refs": true}))
+	fakeHandle := base64.StdEncoding.EncodeToString([]byte(FakeRefCounterHandle))
+	assert.Equal(t, []any{
+		map[string]any{"ref_counter_handle": fakeHandle, "ref_counter_offset": float64(0), "event_handle": nil, "event_sync_required": false},
+		map[string]any{"ref_counter_handle": fakeHandle, "ref_counter_offset": float64(1), "event_handle": nil, "event_sync_required": false},
+	}, p["ipc_refs"], "one per tensor, in order")
+	okReply(t, c.call("release", map[string]any{"version": "v3"}))
 
 	ckpt := filepath.Join(t.TempDir(), "ckpt-1")
 	assert.Contains(t, refusal(t, c.call("save", map[string]any{"path": ckpt, "iteration": 2})), "the model is at iteration 1")
