@@ -89,6 +89,27 @@ the lost peer, at the latest after --update-deadline, and aborts the
 communicator; the next /init_weight_transfer_engine builds a new one.
 --chunk-delay (test control) slows each update down between chunks so that
 a test can act in its middle.
+
+--backend ipc (with --http PORT --api E only; default nccl) serves vLLM's
+`ipc` weight-transfer backend instead (vllm/distributed/weight_transfer/
+ipc_engine.py): no NCCL library is loaded and nothing is rendezvoused.
+init_info must be {} (an unknown key is a 500, the dataclass's TypeError);
+update_info carries names, dtype_names, shapes and ipc_handles_pickled
+(standard base64 of the pickled list of {gpu_uuid: (func, args)}), checked
+as IPCWeightTransferUpdateInfo.__post_init__ does, with its messages (the
+pickle is only loaded when this process's environment has
+VLLM_ALLOW_INSECURE_SERIALIZATION=1, as in vLLM). Each tensor is rebuilt as
+IPCWeightTransferEngine.receive_weights does it (this GPU's UUID picks the
+handle, args[6] becomes the current device index, func(*args)), then,
+stricter than vLLM, func must be torch's rebuild_cuda_tensor and the
+rebuilt tensor must have the dtype, shape and device update_info names;
+every tensor is copied into this receiver's own tensor for its name (as
+vLLM's load_weights copies into the model), the device is synchronized and
+every rebuilt tensor is dropped before update_weights answers, so torch's
+ref counting releases the producer's shares. The SHA-256s of GET /received
+are those of the receiver's own copies, as for nccl; its stats name the
+backend, the GPU UUID, the globals the pickle named and how many opened
+IPC storages are still alive in torch's shared cache after the drop (0).
 """
 
 import argparse
@@ -402,15 +423,123 @@ def self_test():
     w.finish({"weight_version": "v1"})
     assert entry["version"] == "v1" and w.version == "v1" and not w.session
     self_test_gen_e(mod, raw)
+    self_test_ipc()
     print("receiver self-test PASS")
 
 
-def bare_worker(api):
+def bare_worker(api, backend="nccl"):
     """An HTTPWorker without torch or NCCL, for the self-test."""
     w = HTTPWorker.__new__(HTTPWorker)
-    w.args = argparse.Namespace(api=api)
+    w.args = argparse.Namespace(api=api, backend=backend)
     w.init_state()
     return w
+
+
+def expect_error(cls, message, f, *args):
+    """f(*args) raises cls whose text is message."""
+    try:
+        f(*args)
+    except cls as e:
+        assert str(e) == message, (str(e), message)
+        return
+    raise AssertionError("%s%r: no %s %s" % (f.__name__, args, cls.__name__, message))
+
+
+def self_test_ipc():
+    """--backend ipc without torch or CUDA: the init and update_info rules
+    (vLLM's IPCWeightTransferUpdateInfo messages, the environment switch,
+    the pickle's recorded globals) and the session an update refused by
+    them closes. Rebuilding the tensors needs CUDA (the GPU tests)."""
+    # A stand-in for the pickled handles: {uuid: (func, args)} per tensor,
+    # func a global the recorder must name (torch's needs torch).
+    uuid = "0f2e8a51-7c3d-4b6e-9a10-123456789abc"
+    handles = [{uuid: (len, (i,))} for i in range(2)]
+    b64 = base64.b64encode(pickle.dumps(handles, protocol=3)).decode()
+    ok_env = {INSECURE_SERIALIZATION_ENV: "1"}
+    base = {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], []]}
+
+    upd = ipc_update_info(dict(base, ipc_handles_pickled=b64), ok_env)
+    assert upd.handles == handles and upd.names == ["a", "b"], upd.handles
+    assert upd.pickle_globals == ["builtins.len"], upd.pickle_globals
+    assert upd.pickle_bytes == len(base64.b64decode(b64))
+    # Python's own protocols 4 and 5 (FRAME, memo, STACK_GLOBAL) load too.
+    for proto in (4, 5):
+        other = base64.b64encode(pickle.dumps(handles, protocol=proto)).decode()
+        assert ipc_update_info(dict(base, ipc_handles_pickled=other), ok_env).handles == handles
+    # ipc_handles given directly (JSON: no callables; receive_ipc refuses them).
+    assert ipc_update_info(dict(base, ipc_handles=[{}, {}]), {}).pickle_bytes is None
+
+    refused = (
+        (dict(base, ipc_handles_pickled=b64, ipc_handles=[]), ok_env, ValueError,
+         "Cannot specify both `ipc_handles` and `ipc_handles_pickled`"),
+        (dict(base, ipc_handles_pickled=b64), {}, ValueError,
+         "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+        (dict(base, ipc_handles_pickled=b64), {INSECURE_SERIALIZATION_ENV: "0"}, ValueError,
+         "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+        (dict(base, ipc_handles_pickled=b64), {INSECURE_SERIALIZATION_ENV: "yes"}, ValueError,
+         "invalid literal for int() with base 10: 'yes'"),
+        (dict(base), ok_env, ValueError, "Either `ipc_handles` or `ipc_handles_pickled` must be provided"),
+        (dict(base, ipc_handles_pickled=None), ok_env, ValueError,
+         "Either `ipc_handles` or `ipc_handles_pickled` must be provided"),
+        (dict(base, dtype_names=["bfloat16"], ipc_handles_pickled=b64), ok_env, ValueError,
+         "`dtype_names` should be of the same size as `names`: got 1 and 2"),
+        (dict(base, shapes=[[1], [2], [3]], ipc_handles_pickled=b64), ok_env, ValueError,
+         "`shapes` should be of the same size as `names`: got 3 and 2"),
+        (dict(base, names=["a"], dtype_names=["bfloat16"], shapes=[[1]], ipc_handles_pickled=b64), ok_env, ValueError,
+         "`ipc_handles` should be of the same size as `names`: got 2 and 1"),
+        ({"dtype_names": [], "shapes": [], "ipc_handles": []}, ok_env, TypeError,
+         "__init__() missing 1 required positional argument: 'names'"),
+        ({"names": [], "ipc_handles": []}, ok_env, TypeError,
+         "__init__() missing 2 required positional arguments: 'dtype_names' and 'shapes'"),
+        ({}, ok_env, TypeError,
+         "__init__() missing 3 required positional arguments: 'names', 'dtype_names', and 'shapes'"),
+    )
+    for info, env, cls, message in refused:
+        expect_error(cls, message, ipc_update_info, info, env)
+    # The environment switch is checked before the pickle is looked at.
+    expect_error(ValueError, "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+                 ipc_update_info, dict(base, ipc_handles_pickled="not base64, not a pickle"), {})
+
+    # The worker: init_info {} only (E's router first), no torch, no NCCL.
+    w = bare_worker("E", "ipc")
+    expect_failure(400, "Missing 'init_info'", w.init_engine, {})
+    expect_failure(400, "'init_info' must be a JSON object, got list", w.init_engine, {"init_info": []})
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'master_address'", w.init_engine,
+                   {"init_info": {"master_address": "127.0.0.1", "master_port": 29500}})
+    assert w.start({}) == {"message": "Weight update started"}
+    expect_failure(500, "RuntimeError: weight transfer engine is not initialized", w.update,
+                   {"update_info": dict(base, ipc_handles_pickled=b64)})
+    assert not w.session, "a failed update_weights left E's session open"
+    assert w.init_engine({"init_info": {}}) == {"message": "Weight transfer initialized"}
+    assert w.report()["inits"][-1]["rendezvous"] == "ipc" and w.report()["backend"] == "ipc"
+    # update_info: the ipc fields only (nccl's packed is unknown here), the
+    # list form with one entry; a refused update closes E's session.
+    for body, detail in (
+            ({"update_info": dict(base, ipc_handles_pickled=b64, packed=True)},
+             "TypeError: __init__() got an unexpected keyword argument 'packed'"),
+            ({"update_info": [dict(base, ipc_handles_pickled=b64, packed_num_buffers=2)]},
+             "TypeError: __init__() got an unexpected keyword argument 'packed_num_buffers' (update_info[0])"),
+            ({"update_info": [{}, {}]}, "ValueError: update_info has 2 entries")):
+        assert w.start({}) == {"message": "Weight update started"}
+        expect_failure(500, detail, w.update, body)
+        assert not w.session, body
+    # ipc_update_info's errors are worker errors (the handler's 500), also
+    # closing the session; nothing was received.
+    saved = os.environ.pop(INSECURE_SERIALIZATION_ENV, None)
+    try:
+        assert w.start({}) == {"message": "Weight update started"}
+        expect_error(ValueError, "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+                     w.update, {"update_info": dict(base, ipc_handles_pickled=b64)})
+        assert not w.session
+    finally:
+        if saved is not None:
+            os.environ[INSECURE_SERIALIZATION_ENV] = saved
+    assert w.report()["calls"] == 0 and w.report()["failures"] == []
+    # The nccl backend keeps refusing the ipc fields.
+    e = bare_worker("E")
+    e.start({})
+    expect_failure(500, "TypeError: __init__() got an unexpected keyword argument 'ipc_handles_pickled'", e.update,
+                   {"update_info": dict(base, ipc_handles_pickled=b64)})
 
 
 def expect_failure(code, detail, f, *args):
@@ -536,6 +665,95 @@ class HTTPFailure(Exception):
 
 INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
 UPDATE_KEYS = {"names", "dtype_names", "shapes"}
+
+# --backend ipc: the fields of vLLM's IPCWeightTransferUpdateInfo (its
+# IPCWeightTransferInitInfo has none), the required ones in field order,
+# and the environment switch its __post_init__ reads before unpickling.
+IPC_UPDATE_KEYS = UPDATE_KEYS | {"ipc_handles", "ipc_handles_pickled"}
+IPC_REQUIRED_KEYS = ("names", "dtype_names", "shapes")
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+REBUILD_CUDA_TENSOR = "torch.multiprocessing.reductions.rebuild_cuda_tensor"
+REBUILD_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device, which vLLM overwrites
+
+
+def missing_arguments(missing):
+    """The TypeError text of a dataclass __init__ called without the
+    required fields missing (CPython's wording)."""
+    quoted = ["'%s'" % m for m in missing]
+    if len(quoted) == 1:
+        listed = quoted[0]
+    elif len(quoted) == 2:
+        listed = " and ".join(quoted)
+    else:
+        listed = ", ".join(quoted[:-1]) + ", and " + quoted[-1]
+    return "__init__() missing %d required positional argument%s: %s" % (
+        len(missing), "" if len(missing) == 1 else "s", listed)
+
+
+def load_pickle_recording_globals(raw):
+    """pickle.loads(raw) (same Unpickler, same defaults), also returning
+    the sorted "module.name" of every global the pickle named."""
+    named = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.add(module + "." + name)
+            return super().find_class(module, name)
+    return Recorder(io.BytesIO(raw)).load(), sorted(named)
+
+
+class IPCUpdate:
+    """update_info of the ipc backend after vLLM's checks: names,
+    dtype_names, shapes and handles (one {gpu_uuid: (func, args)} per
+    name), plus what the receiver reports of the pickle (pickle_bytes and
+    pickle_globals; None when ipc_handles came as JSON)."""
+
+    def __init__(self, names, dtype_names, shapes, handles, pickle_bytes, pickle_globals):
+        self.names, self.dtype_names, self.shapes, self.handles = names, dtype_names, shapes, handles
+        self.pickle_bytes, self.pickle_globals = pickle_bytes, pickle_globals
+
+
+def ipc_update_info(info, environ):
+    """vLLM's IPCWeightTransferUpdateInfo(**info) with its __post_init__,
+    in its order and with its messages: the required fields (TypeError),
+    both or neither of ipc_handles and ipc_handles_pickled, the
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 switch of environ (parsed as vLLM's
+    envs does: bool(int(value))) before pickle.loads(base64.b64decode(...)),
+    then the lengths of dtype_names, shapes and ipc_handles against names
+    (ValueError). Unknown keys are refused before (strict_keys). No torch:
+    the pickle's torch globals are only resolved when loaded."""
+    missing = [k for k in IPC_REQUIRED_KEYS if k not in info]
+    if missing:
+        raise TypeError(missing_arguments(missing))
+    handles, pickled = info.get("ipc_handles"), info.get("ipc_handles_pickled")
+    pickle_bytes, pickle_globals = None, None
+    if pickled is not None:
+        if handles is not None:
+            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+        if not bool(int(environ.get(INSECURE_SERIALIZATION_ENV, "0"))):
+            raise ValueError("Refusing to deserialize `ipc_handles_pickled` without "
+                             "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+        raw = base64.b64decode(pickled)
+        handles, pickle_globals = load_pickle_recording_globals(raw)
+        pickle_bytes = len(raw)
+    if handles is None:
+        raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+    names = info["names"]
+    for key, value in (("dtype_names", info["dtype_names"]), ("shapes", info["shapes"]), ("ipc_handles", handles)):
+        if len(value) != len(names):
+            raise ValueError("`%s` should be of the same size as `names`: got %d and %d" % (key, len(value), len(names)))
+    return IPCUpdate(names, info["dtype_names"], info["shapes"], handles, pickle_bytes, pickle_globals)
+
+
+def live_shared_storages(cache):
+    """How many storages torch's multiprocessing shared cache still holds
+    alive (None when this torch's cache has another shape)."""
+    try:
+        with cache.lock:
+            refs = list(cache.values())
+        return sum(1 for ref in refs if not ref.expired())
+    except Exception:  # noqa: BLE001 - a report field, not a check
+        return None
 PACKED_KEYS = {"packed", "packed_buffer_size_bytes", "packed_num_buffers"}
 UNIQUE_ID_KEY = "nccl_unique_id_b64"
 
@@ -565,17 +783,23 @@ class HTTPWorker:
 
     def __init__(self, args):
         import torch
-        import torch.distributed as dist
-        self.torch, self.dist, self.args = torch, dist, args
-        self.shim = install_shim(backends=args.api == "E")
-        self.nccl = Nccl(args.nccl_lib, self.shim.ncclUniqueId)
+        self.torch, self.dist, self.args = torch, None, args
+        self.shim, self.nccl = None, None
+        if args.backend == "nccl":  # ipc needs no NCCL library, no rendezvous, no shim
+            import torch.distributed as dist
+            self.dist = dist
+            self.shim = install_shim(backends=args.api == "E")
+            self.nccl = Nccl(args.nccl_lib, self.shim.ncclUniqueId)
         self.dev = torch.device("cuda", args.device)
         self.init_state()
 
     def init_state(self):
         """Everything but torch and NCCL (the self-test builds only this)."""
+        self.backend = getattr(self.args, "backend", "nccl")
         self.lock = threading.Lock()  # vLLM runs these worker RPCs one at a time
         self.state = threading.Lock()  # what the report reads; never held across NCCL work
+        self.settling = threading.Lock()  # one settle() at a time (ipc overwrites what a pending one hashes)
+        self.ipc_weights = {}  # --backend ipc: name -> this receiver's own tensor (its "model")
         self.comm = None
         self.store = None
         self.init_info = None
@@ -641,15 +865,16 @@ class HTTPWorker:
         return info
 
     @staticmethod
-    def worker_update_info(info):
+    def worker_update_info(info, allowed=UPDATE_KEYS):
         """E's worker side of update_info: an object, or a list with one
         payload per inference worker (data_parallel_index * (TP*PP) + rank;
-        this server has one), each with the dataclass's strict keys."""
+        this server has one), each with the dataclass's strict keys
+        (allowed: the backend's fields)."""
         if isinstance(info, dict):
-            return HTTPWorker.strict_keys(info, UPDATE_KEYS)
+            return HTTPWorker.strict_keys(info, allowed)
         if len(info) != 1:
             raise HTTPFailure(500, "ValueError: update_info has %d entries but the server has 1 inference worker; send one entry per worker, or one object for all" % len(info))
-        return HTTPWorker.strict_keys(info[0], UPDATE_KEYS, " (update_info[0])")
+        return HTTPWorker.strict_keys(info[0], allowed, " (update_info[0])")
 
     def drop_comm(self):
         if self.comm is not None:
@@ -690,7 +915,10 @@ class HTTPWorker:
         (master_address, master_port) and the pickled id, which must name
         LEGACY_MODULE. E: either nccl_unique_id_b64 (the communicator is
         built from those bytes, no TCPStore, no pickle) or the TCPStore,
-        whose pickle may name either module (unique_id_source)."""
+        whose pickle may name either module (unique_id_source). --backend
+        ipc: init_ipc."""
+        if self.backend == "ipc":
+            return self.init_ipc(body)
         gen_e = self.args.api == "E"
         if gen_e:
             info = self.strict_keys(self.router_init_info(body), INIT_KEYS | PACKED_KEYS | {UNIQUE_ID_KEY})
@@ -744,6 +972,22 @@ class HTTPWorker:
                 self.event("init port %s" % source[1] if how == "tcpstore" else "init " + UNIQUE_ID_KEY)
             log("init: communicator ready (warm-up done) in %.2fs, rendezvous %s%s" % (
                 secs, how, " (pickle of %d bytes naming %s)" % (len(raw), module) if raw is not None else ""))
+        return {"message": "Weight transfer initialized"}
+
+    def init_ipc(self, body):
+        """init_weight_transfer_engine of the ipc backend: E's router rules
+        for the body, then IPCWeightTransferInitInfo(**init_info), which has
+        no fields (an unknown key is a 500), and a no-op, as in vLLM. No
+        torch: a failed update leaves it initialized (there is nothing to
+        tear down)."""
+        info = self.strict_keys(self.router_init_info(body), set())
+        with self.lock:
+            self.init_info = info
+            with self.state:
+                self.inits.append({"at": time.time(), "master_port": None, "seconds": 0.0, "rendezvous": "ipc",
+                                   "pickle_module": None, "pickle_bytes": None, "rank": None, "world_size": None})
+                self.event("init ipc")
+        log("init: ipc backend (nothing to set up)")
         return {"message": "Weight transfer initialized"}
 
     def start(self, body):
@@ -801,9 +1045,10 @@ class HTTPWorker:
         session, as E's worker does, so a following finish_weight_update
         answers E_NO_SESSION."""
         raw = self.router_update_info(body)
+        allowed = IPC_UPDATE_KEYS if self.backend == "ipc" else UPDATE_KEYS
         with self.lock:
             try:
-                return self.update_locked(self.worker_update_info(raw))
+                return self.update_locked(self.worker_update_info(raw, allowed))
             except Exception as e:
                 with self.state:
                     if self.session:
@@ -815,15 +1060,17 @@ class HTTPWorker:
 
     def update_locked(self, info):
         """The worker's update_weights (self.lock held)."""
-        torch = self.torch
-        torch.cuda.set_device(self.args.device)
         if not self.session:
             raise HTTPFailure(500, "RuntimeError: update_weights called without an open weight update session")
-        if self.comm is None:
+        if (self.init_info if self.backend == "ipc" else self.comm) is None:
             raise HTTPFailure(500, "RuntimeError: weight transfer engine is not initialized")
         if self.fail_next > 0:
             self.fail_next -= 1
             raise HTTPFailure(500, "RuntimeError: receiver: injected failure (POST /fail_next_update)")
+        if self.backend == "ipc":
+            return self.update_ipc_locked(info)
+        torch = self.torch
+        torch.cuda.set_device(self.args.device)
         src = self.init_info if self.args.api in ("D", "E") else info
         packed = bool(src.get("packed", False))
         threshold = int(src.get("packed_buffer_size_bytes") or (1 << 30))
@@ -836,12 +1083,7 @@ class HTTPWorker:
             raise HTTPFailure(500, "ValueError: Unsupported dtype %s" % ", ".join(unknown))
         sizes = [numel(sh) * ITEMSIZE[d] for sh, d in zip(shapes, dtypes)]
         chunks = plan_chunks(sizes, packed, threshold)
-        with self.state:
-            self.calls += 1
-            n = self.calls
-            self.progress = {"update": n, "running": True, "chunks": len(chunks), "chunks_done": 0,
-                             "bytes": sum(sizes), "bytes_done": 0}
-            self.event("update %d: receiving %d chunks" % (n, len(chunks)))
+        n = self.begin_update(len(chunks), sum(sizes), "%d chunks" % len(chunks))
         t0 = time.perf_counter()
         try:
             received, types = self.receive(names, dtypes, shapes, sizes, chunks, packed)
@@ -851,23 +1093,43 @@ class HTTPWorker:
             # next init builds a new one. The session stays open on C and
             # D: the next trainer closes it (E closes it, update_e).
             self.drop_comm()
-            secs = time.perf_counter() - t0
-            with self.state:
-                self.progress["running"] = False
-                self.failures.append({"update": n, "at": time.time(), "seconds": secs,
-                                      "error": "%s: %s" % (type(e).__name__, e),
-                                      "chunks_done": self.progress["chunks_done"], "chunks": len(chunks)})
-                self.event("update %d failed after %.2fs: %s" % (n, secs, e))
-            log("update %d failed after %.2fs: %s" % (n, secs, e))
+            self.record_failure(n, e, time.perf_counter() - t0, len(chunks))
             raise
         secs = time.perf_counter() - t0
-        # --lazy-digest: the tensors are kept and hashed when GET /received
-        # asks, so update_weights answers as soon as the bytes are here (as
-        # vLLM's does; timing benchmarks use it).
-        digests = None if self.args.lazy_digest else sha256s(received, names)
-        stats = {"broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
+        stats = {"backend": "nccl", "broadcasts": len(chunks), "bytes": sum(sizes), "seconds": secs,
                  "gbps": sum(sizes) / max(secs, 1e-9) / 1e9, "packed": packed,
                  "vllm_unpack": bool(packed and self.args.vllm_unpack), "nccl_types": types}
+        self.record_update(n, received, names, stats)
+        log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (n, len(names), len(chunks), sum(sizes), secs))
+        return {"message": "Weights updated"}
+
+    def begin_update(self, chunks, nbytes, what):
+        """Counts an update_weights that starts receiving; returns its number."""
+        with self.state:
+            self.calls += 1
+            n = self.calls
+            self.progress = {"update": n, "running": True, "chunks": chunks, "chunks_done": 0,
+                             "bytes": nbytes, "bytes_done": 0}
+            self.event("update %d: receiving %s" % (n, what))
+        return n
+
+    def record_failure(self, n, e, secs, chunks):
+        """An update_weights that failed while receiving (GET /received's failures)."""
+        with self.state:
+            self.progress["running"] = False
+            self.failures.append({"update": n, "at": time.time(), "seconds": secs,
+                                  "error": "%s: %s" % (type(e).__name__, e),
+                                  "chunks_done": self.progress["chunks_done"], "chunks": chunks})
+            self.event("update %d failed after %.2fs: %s" % (n, secs, e))
+        log("update %d failed after %.2fs: %s" % (n, secs, e))
+
+    def record_update(self, n, received, names, stats):
+        """A completed update: its SHA-256 per tensor of received (name ->
+        uint8 view) in the history and as the last update. --lazy-digest:
+        the tensors are kept and hashed when GET /received asks, so
+        update_weights answers as soon as the bytes are here (as vLLM's
+        does; timing benchmarks use it)."""
+        digests = None if self.args.lazy_digest else sha256s(received, names)
         with self.state:
             entry = {"update": n, "at": time.time(), "sha256": digests, "version": None,
                      "paused": self.paused, "stats": stats}
@@ -878,9 +1140,105 @@ class HTTPWorker:
             self.last, self.last_stats = digests, stats
             self.updates += 1
             self.progress["running"] = False
-            self.event("update %d: done, %d bytes in %.2fs" % (n, sum(sizes), secs))
-        log("update %d: %d tensors, %d broadcasts, %d bytes in %.3fs" % (n, len(names), len(chunks), sum(sizes), secs))
+            self.event("update %d: done, %d bytes in %.2fs" % (n, stats["bytes"], stats["seconds"]))
+
+    def update_ipc_locked(self, info):
+        """update_weights of the ipc backend (self.lock held): vLLM's
+        update_info checks (ipc_update_info, a 500 before anything is
+        opened), then receive_ipc."""
+        upd = ipc_update_info(info, os.environ)
+        try:
+            planned = sum(numel(sh) * ITEMSIZE[d] for sh, d in zip(upd.shapes, upd.dtype_names))
+        except (KeyError, TypeError, ValueError):
+            planned = None  # receive_ipc refuses what this cannot size
+        n = self.begin_update(len(upd.names), planned, "%d tensors over CUDA IPC" % len(upd.names))
+        t0 = time.perf_counter()
+        try:
+            received, stats = self.receive_ipc(upd)
+        except Exception as e:
+            self.record_failure(n, e, time.perf_counter() - t0, len(upd.names))
+            raise
+        stats["seconds"] = time.perf_counter() - t0
+        stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
+        self.record_update(n, received, upd.names, stats)
+        log("update %d: %d tensors, %d bytes over CUDA IPC in %.3fs (%d storages opened, %s alive after the drop)" % (
+            n, len(upd.names), stats["bytes"], stats["seconds"], stats["storages"], stats["storages_alive_after_drop"]))
         return {"message": "Weights updated"}
+
+    def receive_ipc(self, upd):
+        """vLLM's IPCWeightTransferEngine.receive_weights, then its
+        load_weights as a copy into this receiver's own tensor per name.
+
+        Per tensor, as vLLM: this GPU's UUID picks the handle (else the
+        ValueError "IPC handle not found ..."), func, args = handle[uuid],
+        args[6] = the current device index, weight = func(*args). Stricter
+        than vLLM: func must be torch's rebuild_cuda_tensor and the weight
+        must have the dtype, shape and device update_info names, and be
+        contiguous. Every weight is rebuilt before any is loaded (vLLM
+        builds the list, then calls load_weights once); then the device is
+        synchronized (vLLM's torch.accelerator.synchronize()) and every
+        rebuilt tensor is dropped, also on an error, so that torch's ref
+        counting releases the producer's shares (the first tensor of a
+        storage opens it and holds its ref-counter slot until the storage
+        dies; the cache hits release theirs at once). Returns name -> uint8
+        view of the receiver's own tensor, and the stats."""
+        torch = self.torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, shared_cache
+        torch.cuda.set_device(self.args.device)
+        self.settle()  # --lazy-digest: the last update's bytes are hashed before they are overwritten
+        weights, weight, list_args, w = [], None, None, None
+        storages, nbytes, allocated, uuid, device_index = set(), 0, 0, None, None
+        try:
+            for name, dtype_name, shape, ipc_handle in zip(upd.names, upd.dtype_names, upd.shapes, upd.handles):
+                device_index = current_device_index(torch)
+                uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+                if uuid not in ipc_handle:
+                    raise ValueError("IPC handle not found for GPU UUID %s. Available UUIDs: %s" % (uuid, list(ipc_handle.keys())))
+                func, args = ipc_handle[uuid]
+                if func is not rebuild_cuda_tensor:
+                    raise ValueError("update_info: tensor %r: the handle's function is %r, not %s (receiver.py is stricter than vLLM here)" % (
+                        name, func, REBUILD_CUDA_TENSOR))
+                list_args = list(args)
+                list_args[REBUILD_DEVICE_ARG] = device_index
+                weight = func(*list_args)
+                storages.add((list_args[7], list_args[9]))
+                check_rebuilt(torch, name, weight, dtype_name, shape, device_index)
+                weights.append((name, weight))
+                nbytes += weight.numel() * weight.element_size()
+                weight = None
+                with self.state:
+                    self.progress["chunks_done"] += 1
+                    self.progress["bytes_done"] = nbytes
+            received = {}
+            for name, w in weights:  # load_weights: copies into the "model"
+                own = self.ipc_weights.get(name)
+                if own is None or own.dtype != w.dtype or own.shape != w.shape:
+                    own = torch.empty(w.shape, dtype=w.dtype, device=self.dev)
+                    self.ipc_weights[name] = own
+                    allocated += 1
+                own.copy_(w)
+                received[name] = own.reshape(-1).view(torch.uint8)
+            torch.cuda.synchronize(self.dev)
+        except BaseException as e:
+            # The frames the error left (rebuild_cuda_tensor's, check_rebuilt's)
+            # hold rebuilt tensors or storages until the handler has answered:
+            # clear them now, this one's locals below.
+            import traceback
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            if weights:  # no copy may still read the producer's memory once its shares are released
+                try:
+                    torch.cuda.synchronize(self.dev)
+                except Exception as sync_error:  # noqa: BLE001 - the first error is the one reported
+                    log("receive_ipc: synchronize before dropping the rebuilt tensors: %s" % sync_error)
+            weights.clear()
+            weight = list_args = w = None
+        stats = {"backend": "ipc", "tensors": len(upd.names), "bytes": nbytes, "gpu_uuid": uuid,
+                 "device_index": device_index, "rebuild": REBUILD_CUDA_TENSOR, "pickle_bytes": upd.pickle_bytes,
+                 "pickle_globals": upd.pickle_globals, "storages": len(storages), "allocated": allocated,
+                 "storages_alive_after_drop": live_shared_storages(shared_cache)}
+        return received, stats
 
     def receive(self, names, dtypes, shapes, sizes, chunks, packed):
         """The broadcasts of one update; returns name -> uint8 view and the
@@ -946,17 +1304,20 @@ class HTTPWorker:
         return received, types
 
     def settle(self):
-        """Hashes the updates --lazy-digest kept (oldest first)."""
-        while True:
-            with self.state:
-                if not self.pending:
-                    return
-                entry, received, names = self.pending.pop(0)
-            d = sha256s(received, names)
-            with self.state:
-                entry["sha256"] = d
-                if self.history and self.history[-1] is entry:
-                    self.last = d
+        """Hashes the updates --lazy-digest kept (oldest first). One call at
+        a time: when it returns, every kept update is hashed, also those a
+        concurrent call was hashing (receive_ipc then overwrites them)."""
+        with self.settling:
+            while True:
+                with self.state:
+                    if not self.pending:
+                        return
+                    entry, received, names = self.pending.pop(0)
+                d = sha256s(received, names)
+                with self.state:
+                    entry["sha256"] = d
+                    if self.history and self.history[-1] is entry:
+                        self.last = d
 
     def report(self):
         self.settle()
@@ -967,8 +1328,34 @@ class HTTPWorker:
                 "calls": self.calls, "history": self.history, "failures": self.failures, "inits": self.inits,
                 "progress": self.progress, "session_open": self.session, "paused": self.paused,
                 "pause_calls": self.pause_calls, "resume_calls": self.resume_calls, "events": self.events,
-                "api": self.args.api,
+                "api": self.args.api, "backend": self.backend,
             }))
+
+
+def current_device_index(torch):
+    """vLLM's torch.accelerator.current_device_index() (torch >= 2.6), else
+    torch.cuda.current_device()."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "current_device_index"):
+        return acc.current_device_index()
+    return torch.cuda.current_device()
+
+
+def check_rebuilt(torch, name, weight, dtype_name, shape, device_index):
+    """receiver.py, stricter than vLLM (which passes the weight on as it
+    is): the rebuilt tensor has update_info's dtype and shape, lies on this
+    device and is contiguous (ValueError otherwise)."""
+    want = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    if not isinstance(want, torch.dtype):
+        raise ValueError("update_info: tensor %r: dtype_names holds %r, not a torch dtype" % (name, dtype_name))
+    if weight.dtype != want:
+        raise ValueError("update_info: tensor %r: rebuilt as %s, dtype_names says %s" % (name, weight.dtype, dtype_name))
+    if list(weight.shape) != [int(d) for d in shape]:
+        raise ValueError("update_info: tensor %r: rebuilt with shape %s, shapes says %s" % (name, list(weight.shape), shape))
+    if weight.device.type != "cuda" or weight.device.index != device_index:
+        raise ValueError("update_info: tensor %r: rebuilt on %s, not cuda:%d" % (name, weight.device, device_index))
+    if not weight.is_contiguous():
+        raise ValueError("update_info: tensor %r: rebuilt with strides %s, not contiguous" % (name, list(weight.stride())))
 
 
 def sha256s(received, names):
@@ -1085,8 +1472,11 @@ def serve_http(args):
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.http), Handler)
     srv.daemon_threads = True
-    emit("READY", port=args.http, api=args.api, nccl=worker.nccl.version())
-    log("serving on 127.0.0.1:%d (generation %s)" % (args.http, args.api))
+    ready = {"port": args.http, "api": args.api, "backend": args.backend}
+    if worker.nccl is not None:
+        ready["nccl"] = worker.nccl.version()
+    emit("READY", **ready)
+    log("serving on 127.0.0.1:%d (generation %s, backend %s)" % (args.http, args.api, args.backend))
     srv.serve_forever()
     return 0
 
@@ -1112,6 +1502,9 @@ def main():
     ap.add_argument("--http", type=int, default=0, metavar="PORT",
                     help="serve the vLLM-like HTTP routes on 127.0.0.1:PORT (see the module doc)")
     ap.add_argument("--api", default="D", choices=["C", "D", "E"], help="--http: the API generation to emulate")
+    ap.add_argument("--backend", default="nccl", choices=["nccl", "ipc"],
+                    help="--http: vLLM's weight-transfer backend to serve (ipc: CUDA IPC handles in update_info, "
+                         "needs --api E and VLLM_ALLOW_INSECURE_SERIALIZATION=1; no NCCL is loaded)")
     ap.add_argument("--update-deadline", type=float, default=120.0,
                     help="--http: seconds one update_weights may take; past it (or on an NCCL error, e.g. the trainer died) it fails with a 500 and the communicator is aborted")
     ap.add_argument("--chunk-delay", type=float, default=0.0, metavar="SECONDS",
@@ -1129,6 +1522,8 @@ def main():
     ap.add_argument("--plan-only", action="store_true",
                     help="print the wire sequence planned from --meta as PLAN {json} and exit (no torch, no GPU)")
     args = ap.parse_args()
+    if args.backend == "ipc" and not (args.http and args.api == "E"):
+        ap.error("--backend ipc is served by the HTTP mode of generation E only: add --http PORT --api E")
 
     if args.self_test:
         self_test()
