@@ -2,6 +2,7 @@ package vllm
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,9 +15,10 @@ import (
 // InitInfo is the trainer's side of init_weight_transfer_engine. Which
 // fields reach the wire depends on the generation (see InitWeightTransfer).
 type InitInfo struct {
-	// Disk selects the disk backend: init_info is {} and every other field
-	// must be zero.
-	Disk bool
+	// Disk selects the disk backend and IPC the ipc backend (trainer and
+	// server on the same GPU, CUDA IPC handles in update_info): for both
+	// init_info is {} and every other field must be zero.
+	Disk, IPC bool
 
 	MasterAddress string // the trainer's TCPStore host (bound exactly by rank 0)
 	MasterPort    int
@@ -34,8 +36,9 @@ type InitInfo struct {
 	NCCLUniqueIDB64 string
 }
 
-// UpdateInfo describes one update_weights call: NCCL metadata (Names,
-// DTypeNames, Shapes in broadcast order) or, for the disk backend, Path.
+// UpdateInfo describes one update_weights call: tensor metadata (Names,
+// DTypeNames, Shapes, in broadcast order on NCCL) with IPCHandlesPickled
+// for the ipc backend, or, for the disk backend, Path.
 type UpdateInfo struct {
 	Names      []string
 	DTypeNames []string  // torch names: "bfloat16", "float32", ...
@@ -51,6 +54,10 @@ type UpdateInfo struct {
 	// Path is the absolute checkpoint directory (*.safetensors) for the
 	// disk backend (C and D); it excludes the NCCL fields.
 	Path string
+
+	// IPCHandlesPickled selects the ipc backend (C, D and E; not packed):
+	// EncodeIPCHandles's output for the tensors of Names, in that order.
+	IPCHandlesPickled string
 
 	// CheckpointBytes sizes the deadline when Timeouts.Update is zero
 	// (UpdateTimeoutFor); it is never sent.
@@ -81,6 +88,12 @@ type (
 	diskUpdateInfo struct {
 		Path string `json:"path"`
 	}
+	ipcUpdateInfo struct {
+		Names             []string  `json:"names"`
+		DTypeNames        []string  `json:"dtype_names"`
+		Shapes            [][]int64 `json:"shapes"`
+		IPCHandlesPickled string    `json:"ipc_handles_pickled"`
+	}
 )
 
 // InitWeightTransfer calls init_weight_transfer_engine (/init_weight_transfer
@@ -91,7 +104,7 @@ type (
 // Placement: A, B, C send {master_address, master_port, rank_offset,
 // world_size}; D and E add packed, packed_buffer_size_bytes,
 // packed_num_buffers (when Packed) and may replace address and port by
-// nccl_unique_id_b64.
+// nccl_unique_id_b64. The disk and ipc backends send {} (C, D, E).
 func (c *Client) InitWeightTransfer(ctx context.Context, info InitInfo) error {
 	cl := call{method: http.MethodPost, path: "/init_weight_transfer_engine", timeout: c.opts.Timeouts.init(), timeoutOf: "Init"}
 	gen, err := c.generation(ctx)
@@ -112,14 +125,8 @@ func (c *Client) InitWeightTransfer(ctx context.Context, info InitInfo) error {
 func withBody(cl call, body any) call { cl.body = body; return cl }
 
 func initPayload(gen Generation, info InitInfo) (any, error) {
-	if info.Disk {
-		if info != (InitInfo{Disk: true}) {
-			return nil, fmt.Errorf("disk backend: init_info is {}, but NCCL fields are set")
-		}
-		if !gen.HasSessions() {
-			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
-		}
-		return struct{}{}, nil
+	if info.Disk || info.IPC {
+		return emptyInitInfo(gen, info)
 	}
 	if info.NCCLUniqueIDB64 != "" {
 		if gen != GenD && gen != GenE {
@@ -161,6 +168,34 @@ func initPayload(gen Generation, info InitInfo) (any, error) {
 	return p, nil
 }
 
+// emptyInitInfo is init_info of the backends without a rendezvous, disk
+// and ipc: {}, on the generations with sessions.
+func emptyInitInfo(gen Generation, info InitInfo) (any, error) {
+	if info.Disk && info.IPC {
+		return nil, fmt.Errorf("init_info: the disk and ipc backends are exclusive")
+	}
+	backend := "disk"
+	if info.IPC {
+		backend = "ipc"
+	}
+	if info != (InitInfo{Disk: info.Disk, IPC: info.IPC}) {
+		return nil, fmt.Errorf("%s backend: init_info is {}, but NCCL fields are set", backend)
+	}
+	if err := sessionBackend(gen, backend); err != nil {
+		return nil, err
+	}
+	return struct{}{}, nil
+}
+
+// sessionBackend refuses the disk and ipc backends on a generation
+// without update sessions.
+func sessionBackend(gen Generation, backend string) error {
+	if !gen.HasSessions() {
+		return fmt.Errorf("generation %s has no %s backend (C, D or E needed)", gen, backend)
+	}
+	return nil
+}
+
 func checkPacked(packed bool, size int64, buffers int) error {
 	if size < 0 || buffers < 0 {
 		return fmt.Errorf("packed_buffer_size_bytes %d and packed_num_buffers %d must not be negative", size, buffers)
@@ -192,7 +227,8 @@ func (c *Client) StartWeightUpdate(ctx context.Context) error {
 //
 // Placement: A sends {names, dtype_names, shapes, packed}; B and C add
 // packed_buffer_size_bytes and packed_num_buffers; D and E send only names,
-// dtype_names and shapes. The disk backend sends {path}.
+// dtype_names and shapes. The disk backend sends {path}; the ipc backend
+// (C, D, E) {names, dtype_names, shapes, ipc_handles_pickled}.
 func (c *Client) UpdateWeights(ctx context.Context, info UpdateInfo) error {
 	cl := call{method: http.MethodPost, path: "/update_weights", timeout: c.opts.Timeouts.update(info.CheckpointBytes), timeoutOf: "Update"}
 	gen, err := c.generation(ctx)
@@ -211,7 +247,9 @@ func (c *Client) UpdateWeights(ctx context.Context, info UpdateInfo) error {
 // infos[k] is the payload of inference worker k, k = data_parallel_index *
 // (TP*PP) + rank, so there is one per rank of the server's world size with
 // data parallelism (GET /get_world_size). Only E takes a list; dense NCCL
-// and disk updates send one object (UpdateWeights). Never retried.
+// and disk updates send one object (UpdateWeights), and so do ipc ones,
+// which are refused here (their handles are keyed by GPU UUID, so one
+// object serves every worker). Never retried.
 func (c *Client) UpdateWeightsPerWorker(ctx context.Context, infos []UpdateInfo) error {
 	var size int64
 	for _, in := range infos {
@@ -224,6 +262,11 @@ func (c *Client) UpdateWeightsPerWorker(ctx context.Context, infos []UpdateInfo)
 	}
 	if !gen.TakesUpdateInfoList() {
 		return c.errorf(cl, 0, nil, "update_info as a list (one payload per inference worker) needs generation E, server is %s", gen)
+	}
+	for k, in := range infos {
+		if in.IPCHandlesPickled != "" {
+			return c.errorf(cl, 0, nil, "update_info[%d]: the ipc backend sends one update_info object (UpdateWeights), not one per worker", k)
+		}
 	}
 	workers, err := c.WorldSize(ctx, true)
 	if err != nil {
@@ -246,14 +289,17 @@ func (c *Client) UpdateWeightsPerWorker(ctx context.Context, infos []UpdateInfo)
 
 func updatePayload(gen Generation, info UpdateInfo) (any, error) {
 	if info.Path != "" {
+		if info.IPCHandlesPickled != "" {
+			return nil, fmt.Errorf("update_info: path (disk) and ipc_handles_pickled (ipc) are exclusive")
+		}
 		if len(info.Names) > 0 || len(info.DTypeNames) > 0 || len(info.Shapes) > 0 || info.Packed {
 			return nil, fmt.Errorf("update_info: path (disk) and NCCL tensor metadata are exclusive")
 		}
 		if !filepath.IsAbs(info.Path) {
 			return nil, fmt.Errorf("update_info: path %q must be absolute (every worker resolves it)", info.Path)
 		}
-		if !gen.HasSessions() {
-			return nil, fmt.Errorf("generation %s has no disk backend (C or D needed)", gen)
+		if err := sessionBackend(gen, "disk"); err != nil {
+			return nil, err
 		}
 		return diskUpdateInfo{Path: info.Path}, nil
 	}
@@ -266,9 +312,6 @@ func updatePayload(gen Generation, info UpdateInfo) (any, error) {
 	if len(info.DTypeNames) != n || len(info.Shapes) != n {
 		return nil, fmt.Errorf("update_info: %d names, %d dtype_names, %d shapes: lengths must match", n, len(info.DTypeNames), len(info.Shapes))
 	}
-	if err := checkPacked(info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers); err != nil {
-		return nil, err
-	}
 	shapes := make([][]int64, n)
 	for i, s := range info.Shapes {
 		for _, d := range s {
@@ -277,6 +320,12 @@ func updatePayload(gen Generation, info UpdateInfo) (any, error) {
 			}
 		}
 		shapes[i] = append([]int64{}, s...) // [] for a scalar, never null
+	}
+	if info.IPCHandlesPickled != "" {
+		return ipcPayload(gen, info, shapes)
+	}
+	if err := checkPacked(info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers); err != nil {
+		return nil, err
 	}
 	p := ncclUpdateInfo{Names: info.Names, DTypeNames: info.DTypeNames, Shapes: shapes}
 	switch gen {
@@ -289,6 +338,22 @@ func updatePayload(gen Generation, info UpdateInfo) (any, error) {
 		p.Packed, p.PackedBufferSizeBytes, p.PackedNumBuffers = info.Packed, info.PackedBufferSizeBytes, info.PackedNumBuffers
 	}
 	return p, nil
+}
+
+// ipcPayload is update_info of the ipc backend, one object on every
+// generation that has it. The handles' count cannot be checked without
+// unpickling them; EncodeIPCHandles wrote one per tensor.
+func ipcPayload(gen Generation, info UpdateInfo, shapes [][]int64) (any, error) {
+	if info.Packed || info.PackedBufferSizeBytes != 0 || info.PackedNumBuffers != 0 {
+		return nil, fmt.Errorf("update_info: the ipc backend is not packed here (vLLM's packed ipc variant is not built)")
+	}
+	if _, err := base64.StdEncoding.Strict().DecodeString(info.IPCHandlesPickled); err != nil {
+		return nil, fmt.Errorf("update_info: ipc_handles_pickled is not standard base64: %w", err)
+	}
+	if err := sessionBackend(gen, "ipc"); err != nil {
+		return nil, err
+	}
+	return ipcUpdateInfo{Names: info.Names, DTypeNames: info.DTypeNames, Shapes: shapes, IPCHandlesPickled: info.IPCHandlesPickled}, nil
 }
 
 // FinishWeightUpdate closes the update session (C, D), recording version
