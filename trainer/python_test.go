@@ -37,8 +37,8 @@ func TestPythonHelperTests(t *testing.T) {
 
 // The Go side and the Python helper speak the same protocol: the Manager
 // drives rlflow_trainer.py's real loop, save and load (over its test
-// double of the model, so no torch), through a checkpoint, a publish, a
-// SIGKILL, the restore and the replay.
+// double of the model, so no torch), through a checkpoint, a publish (and
+// one with ipc_refs), a SIGKILL, the restore and the replay.
 func TestManagerDrivesThePythonHelper(t *testing.T) {
 	py := python3(t)
 	ctx := context.Background()
@@ -70,7 +70,13 @@ func TestManagerDrivesThePythonHelper(t *testing.T) {
 	assert.Nil(t, rs)
 	assert.Equal(t, trainer.IPCFakeShm, s.IPC)
 	assert.Equal(t, 3, s.Iteration)
+	assert.Nil(t, s.Refs)
 	require.NoError(t, m.Release(ctx, "r1", "v3"))
+	s, _, err = m.PublishWith(ctx, "r1", spec, trainer.PublishRequest{Version: "v3-refs", DType: trainer.DTypeKeep, IPCRefs: true})
+	require.NoError(t, err, "log %s", spec.LogPath)
+	fake := []byte("fake_refcounter") // the helper's test double answers the fake_shm refs
+	assert.Equal(t, []trainer.IPCRef{{CounterHandle: fake, CounterOffset: 0}, {CounterHandle: fake, CounterOffset: 1}}, s.Refs)
+	require.NoError(t, m.Release(ctx, "r1", "v3-refs"))
 
 	pid, gen, ok := m.Running("r1")
 	require.True(t, ok)

@@ -86,17 +86,22 @@ SAFETENSORS_DTYPES = {
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 # The fields of each request besides id and op, with their types; the ones
-# in OPTIONAL_FIELDS may be missing (train's args: {}).
+# in OPTIONAL_FIELDS may be missing (train's args: {}, publish's ipc_refs:
+# False).
 REQUESTS = {
     "hello": {"protocol": int},
     "load": {"path": str},
     "train": {"iteration": int, "rollouts": str, "args": dict},
-    "publish": {"version": str, "dtype": str},
+    "publish": {"version": str, "dtype": str, "ipc_refs": bool},
     "release": {"version": str},
     "save": {"path": str, "iteration": int},
     "shutdown": {},
 }
-OPTIONAL_FIELDS = {("train", "args")}
+OPTIONAL_FIELDS = {("train", "args"), ("publish", "ipc_refs")}
+
+# The fake_shm snapshot's ipc_refs entries (PROTOCOL.md "publish"): a test
+# double's ref-counter handle, which names no file.
+FAKE_REF_COUNTER_HANDLE = b"fake_refcounter"
 
 
 def log(msg):
@@ -212,7 +217,7 @@ def check_fields(req):
 
 
 def _type_word(typ):
-    return {int: "an integer", str: "a string", dict: "an object"}[typ]
+    return {int: "an integer", str: "a string", dict: "an object", bool: "a bool"}[typ]
 
 
 def _json_type(v):
@@ -318,8 +323,9 @@ class Session:
 
       framework() -> str; device_index() -> int
       train(batch, args) -> (metrics, step_done_unix)
-      publish(dtype) -> reply fields (ipc, handle or path, storage_bytes,
-          storage_offset, device, gpu_uuid, tensors, snapshot_seconds)
+      publish(dtype, ipc_refs) -> reply fields (ipc, handle or path,
+          storage_bytes, storage_offset, device, gpu_uuid, tensors,
+          snapshot_seconds, and ipc_refs, one per tensor, exactly when asked)
       write_checkpoint(tmpdir, iteration): writes MODEL_FILE and STATE_FILE
       read_checkpoint(path, iteration): restores them
 
@@ -386,7 +392,7 @@ class Session:
         return {"iteration": iteration, "metrics": metrics, "seconds": time.perf_counter() - t0,
                 "step_done_unix": step_done}
 
-    def op_publish(self, version, dtype):
+    def op_publish(self, version, dtype, ipc_refs):
         self._check_state("publish")
         if not version:
             raise RequestError("publish request: field 'version' is empty")
@@ -394,7 +400,15 @@ class Session:
             raise RequestError("publish request: field 'dtype': %r, want one of %s" % (dtype[:64], ", ".join(PUBLISH_DTYPES)))
         if self.published is not None:
             raise RequestError("publish %r refused: version %r is published and not released" % (version[:200], self.published[:200]))
-        out = self.backend.publish(dtype)
+        out = self.backend.publish(dtype, ipc_refs)
+        # The worker refuses a reply whose ipc_refs are there unasked or
+        # not one per tensor: say it here, where the cause is.
+        refs = out.get("ipc_refs")
+        if not ipc_refs and "ipc_refs" in out:
+            raise RuntimeError("the backend's publish gave ipc_refs that were not asked for")
+        if ipc_refs and (not isinstance(refs, list) or len(refs) != len(out.get("tensors") or ())):
+            raise RuntimeError("the backend's publish gave %s ipc_refs for %d tensors, want one per tensor"
+                               % (len(refs) if isinstance(refs, list) else "no", len(out.get("tensors") or ())))
         self.published = version
         reply = {"version": version}
         reply.update(out)
@@ -615,6 +629,39 @@ def torch_share(share):
     return {"device": int(share[0]), "handle": b64(share[1]), "size": int(share[2]), "offset": int(share[3]),
             "ref_counter_handle": b64(share[4]), "ref_counter_offset": int(share[5]),
             "event_handle": b64(share[6]), "event_sync_required": bool(share[7])}
+
+
+def ipc_ref_entry(share):
+    """One ipc_refs entry of a publish reply (PROTOCOL.md) from a
+    storage._share_cuda_() tuple: its ref-counter handle and offset, event
+    handle (None stays None) and event_sync_required."""
+    b64 = lambda b: None if b is None else base64.b64encode(bytes(b)).decode("ascii")  # noqa: E731
+    return {"ref_counter_handle": b64(share[4]), "ref_counter_offset": int(share[5]),
+            "event_handle": b64(share[6]), "event_sync_required": bool(share[7])}
+
+
+def check_share_matches(share, i, device, handle, size, offset):
+    """A _share_cuda_() tuple made for tensor i's ipc_refs entry must name
+    the storage the reply names (device, handle, storage_bytes,
+    storage_offset): a RequestError naming what differs otherwise."""
+    want = (("device", device), ("handle", bytes(handle)), ("size", size), ("offset", offset))
+    got = (int(share[0]), bytes(share[1]), int(share[2]), int(share[3]))
+    differ = [name for (name, w), g in zip(want, got) if w != g]
+    if differ:
+        raise RequestError("publish: torch changed the export under us: the _share_cuda_() call for tensor %d "
+                           "gave another %s than the reply's" % (i, " and ".join(differ)))
+
+
+def share_refs(storage, n, device, handle, size, offset):
+    """n ipc_refs entries, each from a _share_cuda_() call of its own on
+    storage: every call takes its own ref-counter slot, as torch's
+    reduce_tensor does per tensor (the receiver releases one per tensor)."""
+    refs = []
+    for i in range(n):
+        share = storage._share_cuda_()
+        check_share_matches(share, i, device, handle, size, offset)
+        refs.append(ipc_ref_entry(share))
+    return refs
 
 
 def check_share_handle(handle):
@@ -875,7 +922,7 @@ class TorchBackend:
         log("snapshot buffer: %d bytes on %s, storage offset %d in its block" % (total, self.dev, share[3]))
         return self.snapshot
 
-    def publish(self, dtype):
+    def publish(self, dtype, ipc_refs=False):
         torch = self.torch
         if self.dev.type != "cuda":
             raise RequestError("publish needs a CUDA device; the trainer runs on %s" % self.dev)
@@ -907,7 +954,7 @@ class TorchBackend:
             uuid = gpu_uuid_text(getattr(torch.cuda.get_device_properties(self.dev), "uuid", None))
         except Exception:  # an older torch: the worker reads it without
             uuid = None
-        return {
+        out = {
             "ipc": "cuda",
             "handle": base64.b64encode(bytes(share[1])).decode("ascii"),
             "storage_bytes": int(share[2]),
@@ -919,6 +966,12 @@ class TorchBackend:
             "snapshot_seconds": seconds,
             "torch_share": torch_share(share),
         }
+        if ipc_refs:
+            # After the copies completed (the events torch records are
+            # then past them). The slots live as long as the buffer.
+            out["ipc_refs"] = share_refs(buf.untyped_storage(), len(plan), out["device"], share[1],
+                                         out["storage_bytes"], out["storage_offset"])
+        return out
 
     # -- checkpoints --
 

@@ -16,10 +16,14 @@ With CUDA (the GPU host): the same round trip on the GPU in deterministic
 mode; publish's snapshot read back by a second process through the CUDA IPC
 handle of the reply alone (cudaIpcOpenMemHandle + storage_offset, as the Go
 importer does), byte-exact against the state dict, cast to bfloat16, the
-buffer reused across publishes and untouched until release; serve() end to
-end over real pipes; expandable segments refused.
+buffer reused across publishes and untouched until release; a publish with
+ipc_refs rebuilt tensor by tensor by another process with torch's
+rebuild_cuda_tensor (as vLLM's ipc backend does), each ref-counter slot
+released once; serve() end to end over real pipes; expandable segments
+refused.
 """
 
+import base64
 import hashlib
 import io
 import json
@@ -140,11 +144,14 @@ class FakeBackend:
     """TEST DOUBLE of TorchBackend. The "model" is a list of numbers: train
     appends the batch size; args steer failures ({"fail": "request"} raises
     RequestError before touching the model, "runtime" changes the model then
-    raises, "nan" returns a NaN metric, "bool" a bool one; "sleep" waits)."""
+    raises, "nan" returns a NaN metric, "bool" a bool one; "sleep" waits).
+    publish answers a fake_shm snapshot of two tensors, with the fake_shm
+    ipc_refs when asked; mangle_publish, when set, edits its reply."""
 
     def __init__(self):
         self.weights = [7]
         self.publishes = []
+        self.mangle_publish = None
 
     def framework(self):
         return "fake 1.0"
@@ -165,11 +172,17 @@ class FakeBackend:
             return {"done": True}, time.time()
         return {"loss": 1.0 / max(1, len(batch)), "samples": len(batch)}, time.time()
 
-    def publish(self, dtype):
+    def publish(self, dtype, ipc_refs):
         self.publishes.append(dtype)
-        return {"ipc": "fake_shm", "path": "/dev/shm/rlflow-fake", "storage_bytes": 8, "storage_offset": 0,
-                "device": 3, "gpu_uuid": None, "snapshot_seconds": 0.0,
-                "tensors": [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "bytes": 8}]}
+        out = {"ipc": "fake_shm", "path": "/dev/shm/rlflow-fake", "storage_bytes": 12, "storage_offset": 0,
+               "device": 3, "gpu_uuid": None, "snapshot_seconds": 0.0,
+               "tensors": [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "bytes": 8},
+                           {"name": "b", "dtype": "bfloat16", "shape": [2], "offset": 8, "bytes": 4}]}
+        if ipc_refs:
+            out["ipc_refs"] = fake_refs(len(out["tensors"]))
+        if self.mangle_publish is not None:
+            self.mangle_publish(out)
+        return out
 
     def write_checkpoint(self, tmp, iteration):
         if self.weights and self.weights[-1] == -99:
@@ -185,6 +198,16 @@ class FakeBackend:
                 raise rt.RequestError("iteration mismatch")
         with open(os.path.join(path, rt.MODEL_FILE)) as f:
             self.weights = json.load(f)
+
+
+def fake_refs(n):
+    """A fake_shm snapshot's ipc_refs for n tensors (PROTOCOL.md): the fake
+    ref-counter handle, slots 0 to n-1, no event."""
+    return [rt.ipc_ref_entry((3, b"", 0, 0, rt.FAKE_REF_COUNTER_HANDLE, i, None, False)) for i in range(n)]
+
+
+FAKE_REFS_2 = [{"ref_counter_handle": "ZmFrZV9yZWZjb3VudGVy", "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False},
+               {"ref_counter_handle": "ZmFrZV9yZWZjb3VudGVy", "ref_counter_offset": 1, "event_handle": None, "event_sync_required": False}]
 
 
 def child_fake():
@@ -246,9 +269,13 @@ class PipeProtocolTest(unittest.TestCase):
         self.assertEqual(d.call("train", iteration=3, rollouts=ro),
                          {"id": 3, "ok": False, "error": "train iteration 3: the trainer is at iteration 1, so the next is 2"})
         p = d.ok("publish", version="v1", dtype="bfloat16")
-        self.assertEqual((p["version"], p["ipc"], p["storage_bytes"]), ("v1", "fake_shm", 8))
+        self.assertEqual((p["version"], p["ipc"], p["storage_bytes"]), ("v1", "fake_shm", 12))
+        self.assertNotIn("ipc_refs", p)
         self.assertFalse(d.call("publish", version="v2", dtype="keep")["ok"])
         d.ok("release", version="v1")
+        p = d.ok("publish", version="v1r", dtype="keep", ipc_refs=True)
+        self.assertEqual(p["ipc_refs"], FAKE_REFS_2)
+        d.ok("release", version="v1r")
         ck = os.path.join(tmp, "ckpt-1")
         s = d.ok("save", path=ck, iteration=1)
         self.assertEqual(s["path"], ck)
@@ -321,6 +348,9 @@ class RequestRulesTest(unittest.TestCase):
             ({"op": "train", "iteration": 1, "args": {}}, "train request: field 'rollouts' missing"),
             ({"op": "publish", "version": "v", "dtype": "int8"}, "publish request: field 'dtype': 'int8', want one of keep, bfloat16, float16"),
             ({"op": "publish", "version": "", "dtype": "keep"}, "publish request: field 'version' is empty"),
+            ({"op": "publish", "version": "v", "dtype": "keep", "ipc_refs": "true"}, "publish request: field 'ipc_refs': want a bool, got a string"),
+            ({"op": "publish", "version": "v", "dtype": "keep", "ipc_refs": 1}, "publish request: field 'ipc_refs': want a bool, got a number"),
+            ({"op": "publish", "version": "v", "dtype": "keep", "ipc_refs": None}, "publish request: field 'ipc_refs': want a bool, got null"),
             ({"op": "save", "path": "/x"}, "save request: field 'iteration' missing"),
             ({"op": "shutdown", "now": True}, "shutdown request: unknown field 'now'"),
             ({"op": "load", "path": "relative/ckpt"}, "field 'path': not an absolute path"),
@@ -424,6 +454,34 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(c("release", version="v1"), {"id": c.next_id, "ok": True})
         self.assertTrue(c("publish", version="v2", dtype="float16")["ok"])
         self.assertEqual(c.backend.publishes, ["keep", "float16"])
+
+    def test_publish_ipc_refs_only_when_asked(self):
+        c = Call()
+        for asked in (None, False):
+            with self.subTest(asked=asked):
+                p = c("publish", version="v", dtype="keep", **({} if asked is None else {"ipc_refs": asked}))
+                self.assertTrue(p["ok"], p)
+                self.assertNotIn("ipc_refs", p)
+                self.assertTrue(c("release", version="v")["ok"])
+        p = c("publish", version="v", dtype="keep", ipc_refs=True)
+        self.assertTrue(p["ok"], p)
+        self.assertEqual(p["ipc_refs"], FAKE_REFS_2)
+        self.assertTrue(c("release", version="v")["ok"])
+
+    def test_a_backend_that_breaks_the_ipc_refs_rule_fails_the_publish(self):
+        for name, asked, mangle, want in (
+                ("one short", True, lambda out: out["ipc_refs"].pop(), "gave 1 ipc_refs for 2 tensors"),
+                ("none", True, lambda out: out.pop("ipc_refs"), "gave no ipc_refs for 2 tensors"),
+                ("unasked", False, lambda out: out.update(ipc_refs=fake_refs(2)), "ipc_refs that were not asked for")):
+            with self.subTest(name):
+                c = Call()
+                c.backend.mangle_publish = mangle
+                rep = c("publish", version="v", dtype="keep", ipc_refs=asked)
+                self.assertFalse(rep["ok"])
+                self.assertIn(want, rep["error"])
+                self.assertEqual(c("release", version="v")["error"], "release 'v': no version is published")
+                c.backend.mangle_publish = None
+                self.assertTrue(c("publish", version="v", dtype="keep", ipc_refs=asked)["ok"], "not tainted")
 
     def test_save_writes_a_complete_directory_atomically(self):
         c = Call()
@@ -537,6 +595,41 @@ class HelpersTest(unittest.TestCase):
                 with self.assertRaises(rt.RequestError) as cm:
                     rt.check_share_handle(h)
                 self.assertIn(want, str(cm.exception))
+
+    def test_ipc_ref_entry(self):
+        ev = bytes(range(64))
+        self.assertEqual(rt.ipc_ref_entry((0, b"\x02c" + b"h" * 64, 4096, 512, b"/torch_1_2_0", 7, ev, True)),
+                         {"ref_counter_handle": "L3RvcmNoXzFfMl8w", "ref_counter_offset": 7,
+                          "event_handle": base64.b64encode(ev).decode(), "event_sync_required": True})
+        self.assertEqual(rt.ipc_ref_entry((0, b"h", 1, 0, b"/t", 0, None, False))["event_handle"], None)
+
+    def test_share_refs_one_call_per_tensor_checked_against_the_reply(self):
+        handle = b"\x02c" + b"h" * 64
+
+        class Storage:
+            """A TEST DOUBLE of an UntypedStorage's _share_cuda_(): slot
+            n on the n-th call; override replaces fields of one call."""
+            def __init__(self, override=None):
+                self.calls, self.override = 0, override or {}
+
+            def _share_cuda_(self):
+                share = [1, handle, 4096, 512, b"/torch_9_9_0", self.calls, b"e" * 64, True]
+                for k, v in self.override.get(self.calls, {}).items():
+                    share[k] = v
+                self.calls += 1
+                return tuple(share)
+
+        st = Storage()
+        refs = rt.share_refs(st, 3, 1, handle, 4096, 512)
+        self.assertEqual(st.calls, 3)
+        self.assertEqual([r["ref_counter_offset"] for r in refs], [0, 1, 2])
+        for override, want in (({1: {1: b"\x02c" + b"x" * 64}}, "tensor 1 gave another handle than the reply's"),
+                               ({0: {0: 2}}, "tensor 0 gave another device than the reply's"),
+                               ({2: {2: 8192, 3: 0}}, "tensor 2 gave another size and offset than the reply's")):
+            with self.subTest(want):
+                with self.assertRaises(rt.RequestError) as cm:
+                    rt.share_refs(Storage(override), 3, 1, handle, 4096, 512)
+                self.assertEqual(str(cm.exception), "publish: torch changed the export under us: the _share_cuda_() call for " + want)
 
     def test_trainer_fds(self):
         self.assertEqual(rt.trainer_fds({"RLFLOW_TRAINER_FDS": "3,4"}), (3, 4))
@@ -873,6 +966,128 @@ class CUDAPublishTest(unittest.TestCase):
         self.assertGreater(p3["storage_bytes"], p1["storage_bytes"])
         self.assertEqual(read_snapshot(p3), expected_snapshot(model, "keep"))
         self.assertEqual(len(backend.exported), 2)  # the first is still referenced
+
+
+# Rebuilds every tensor of a publish reply with ipc_refs in another process
+# as vLLM's ipc backend does: torch's rebuild_cuda_tensor on the 15
+# arguments of reduce_tensor for a CUDA tensor, from the reply's fields
+# alone. Prints the SHA-256 per tensor after freeing what it rebuilt (so the
+# first tensor's ref-counter slot is released too).
+REBUILDER = r'''
+import base64, ctypes, gc, hashlib, json, sys
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+rep = json.load(sys.stdin)
+dec = lambda v: None if v is None else base64.b64decode(v)
+torch.cuda.set_device(rep["device"])
+handle = dec(rep["handle"])
+if len(rep["ipc_refs"]) != len(rep["tensors"]):
+    raise SystemExit("%d ipc_refs for %d tensors" % (len(rep["ipc_refs"]), len(rep["tensors"])))
+out, rebuilt = {}, []
+for t, ref in zip(rep["tensors"], rep["ipc_refs"]):
+    dtype = getattr(torch, t["dtype"])
+    item = torch.empty((), dtype=dtype).element_size()
+    if t["offset"] % item:
+        raise SystemExit("%s: byte offset %d is not a multiple of %d" % (t["name"], t["offset"], item))
+    stride, n = [], 1
+    for d in reversed(t["shape"]):  # C-contiguous, in elements (torch counts a 0 dim as 1)
+        stride.insert(0, n)
+        n *= max(d, 1)
+    args = (torch.Tensor, torch.Size(t["shape"]), tuple(stride), t["offset"] // item,
+            torch.storage.TypedStorage, dtype, rep["device"], handle, rep["storage_bytes"], rep["storage_offset"],
+            False, dec(ref["ref_counter_handle"]), ref["ref_counter_offset"], dec(ref["event_handle"]),
+            ref["event_sync_required"])
+    x = rebuild_cuda_tensor(*args)
+    if x.dtype != dtype or list(x.shape) != t["shape"] or x.device != torch.device("cuda", rep["device"]):
+        raise SystemExit("%s: rebuilt as %s %s on %s" % (t["name"], x.dtype, list(x.shape), x.device))
+    c = x.detach().reshape(-1).contiguous().cpu()
+    raw = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
+    out[t["name"]] = hashlib.sha256(raw).hexdigest()
+    rebuilt.append(x)
+x = c = None
+del rebuilt
+gc.collect()
+torch.cuda.synchronize()
+print(json.dumps(out))
+'''
+
+
+def rebuild_snapshot(reply):
+    """SHA-256 per tensor of a publish reply with ipc_refs, every tensor
+    rebuilt by another process with rebuild_cuda_tensor (REBUILDER)."""
+    p = subprocess.run([sys.executable, "-c", REBUILDER], input=json.dumps(reply), capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise AssertionError("the rebuilder failed (%d): %s" % (p.returncode, p.stderr[-3000:]))
+    return json.loads(p.stdout)
+
+
+# torch's ref-counter file (/dev/shm/<handle>) is a RefcountedMapAllocator
+# mapping: its own 64-byte header, then one int64 counter per slot.
+REF_COUNTER_HEADER_BYTES = 64
+
+
+def ref_counter(handle_b64, offset):
+    """The value of an ipc_refs entry's ref-counter slot, read from its file."""
+    name = base64.b64decode(handle_b64).decode()
+    with open(os.path.join("/dev/shm", name.lstrip("/")), "rb") as f:
+        f.seek(REF_COUNTER_HEADER_BYTES + 8 * offset)
+        return int.from_bytes(f.read(8), "little", signed=True)
+
+
+@unittest.skipIf(not HAVE_CUDA, NO_CUDA)
+class CUDAIPCRefsTest(unittest.TestCase):
+    """publish with ipc_refs: what vLLM's ipc backend rebuilds each tensor
+    from (PROTOCOL.md "publish", ipc_refs)."""
+
+    def session(self):
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        model = tiny_model(dev, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return Call(rt.TorchBackend(model, opt, tiny_train_step, dev)), model
+
+    def test_every_tensor_rebuilt_by_rebuild_cuda_tensor_in_another_process(self):
+        c, model = self.session()
+        tmp = tempfile.mkdtemp()
+        ro = write_rollouts(tmp, "r.jsonl", [{"text": "sample %d" % j} for j in range(4)])
+        p0 = c("publish", version="v0", dtype="bfloat16")
+        self.assertTrue(p0["ok"], p0)
+        self.assertNotIn("ipc_refs", p0)
+        self.assertTrue(c("release", version="v0")["ok"])
+
+        seen = set()  # every slot of every publish
+        for version, dtype in (("v1", "bfloat16"), ("v2", "keep"), ("v3", "keep")):
+            with self.subTest(version=version, dtype=dtype):
+                self.assertTrue(c("train", iteration=int(version[1:]), rollouts=ro)["ok"])
+                p = c("publish", version=version, dtype=dtype, ipc_refs=True)
+                self.assertTrue(p["ok"], p)
+                self.assertEqual(len(p["ipc_refs"]), len(p["tensors"]))
+                for r in p["ipc_refs"]:
+                    self.assertGreater(len(base64.b64decode(r["ref_counter_handle"])), 0)
+                    if r["event_handle"] is not None:
+                        self.assertEqual(len(base64.b64decode(r["event_handle"])), 64)
+                    self.assertIsInstance(r["event_sync_required"], bool)
+                slots = {(r["ref_counter_handle"], r["ref_counter_offset"]) for r in p["ipc_refs"]}
+                self.assertEqual(len(slots), len(p["tensors"]), "a slot of its own per tensor")
+                self.assertFalse(slots & seen, "and new ones per publish")
+                seen |= slots
+                self.assertEqual(rebuild_snapshot(p), expected_snapshot(model, dtype))
+                self.assertTrue(c("release", version=version)["ok"])
+
+    def test_each_slot_is_released_once_by_the_receiver(self):
+        c, model = self.session()
+        p = c("publish", version="v1", dtype="keep", ipc_refs=True)
+        self.assertTrue(p["ok"], p)
+        slots = [(r["ref_counter_handle"], r["ref_counter_offset"]) for r in p["ipc_refs"]]
+        self.assertGreater(len(slots), 1)
+        self.assertEqual([ref_counter(*s) for s in slots], [1] * len(slots), "torch sets a new slot to 1")
+        self.assertEqual(rebuild_snapshot(p), expected_snapshot(model, "keep"))
+        # The receiver opened the storage for the first tensor (released
+        # when it freed it) and found it cached for the others (released at
+        # once): one release per slot. Slots shared by N tensors would read
+        # 1 - N here.
+        self.assertEqual([ref_counter(*s) for s in slots], [0] * len(slots))
+        self.assertTrue(c("release", version="v1")["ok"])
 
 
 def child_torch():
