@@ -16,10 +16,11 @@ const (
 	kBool
 	kStrList
 	kShapes // list of lists of non-negative ints
+	kAny    // any non-null value (a field the handler refuses itself, with its own message)
 )
 
 func (k kind) String() string {
-	return [...]string{"a string", "an integer", "a boolean", "a list of strings", "a list of lists of integers"}[k]
+	return [...]string{"a string", "an integer", "a boolean", "a list of strings", "a list of lists of integers", "any value"}[k]
 }
 
 type field struct {
@@ -126,6 +127,8 @@ func hasKind(v json.RawMessage, k kind) bool {
 	case kStrList:
 		var l []string
 		return json.Unmarshal(v, &l) == nil && l != nil
+	case kAny:
+		return true
 	case kShapes:
 		var l [][]int64
 		if json.Unmarshal(v, &l) != nil || l == nil {
@@ -175,6 +178,19 @@ func clip(s string) string {
 var (
 	diskInitInfo   = dataclass{"DiskWeightTransferInitInfo", nil}
 	diskUpdateInfo = dataclass{"DiskWeightTransferUpdateInfo", []field{{"path", kStr, true}}}
+)
+
+// The ipc backend's classes (vLLM's ipc_engine.py): init takes nothing;
+// ipc_handles is the Ray form, which the handler refuses over HTTP.
+var (
+	ipcInitInfo   = dataclass{"IPCWeightTransferInitInfo", nil}
+	ipcUpdateInfo = dataclass{"IPCWeightTransferUpdateInfo", []field{
+		{"names", kStrList, true},
+		{"dtype_names", kStrList, true},
+		{"shapes", kShapes, true},
+		{"ipc_handles", kAny, false},
+		{"ipc_handles_pickled", kStr, false},
+	}}
 )
 
 func ncclInitInfo(g Generation) dataclass {

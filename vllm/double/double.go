@@ -37,6 +37,17 @@
 //   - E takes update_info as a list with one payload per inference worker
 //     (WorldSize x DataParallel); the double has one model, so the entries
 //     must be equal (a double limitation, answered 500).
+//   - The ipc backend (C, D and E) takes only ipc_handles_pickled over HTTP
+//     (the Ray form ipc_handles cannot arrive as JSON), and only with
+//     Config.AllowInsecureSerialization, like vLLM; it reads the pickle with
+//     a restricted reader (ReadIPCHandles: no code runs), finds
+//     Config.GPUUUID in each tensor's handle, and is stricter than vLLM:
+//     the pickle's dtype and size must match dtype_names and shapes, the
+//     strides must be C-contiguous, and no two tensors may share a
+//     ref-counter slot. Config.IPCOpener opens the storages (FileIPC, a
+//     test double, for fake_shm snapshots); Server.IPCRefs counts the
+//     producer's ref-counter slots consumed as torch's rebuild_cuda_tensor
+//     would.
 //   - The disk backend (the draft of vLLM pull request #52152, not stock;
 //     C, D and E only) and /collective_rpc reload_weights really load the
 //     checkpoint; the NCCL backend really performs a worker's TCPStore
@@ -143,6 +154,9 @@ func (g Generation) backendsLayout() bool { return g == GenE }
 const (
 	BackendDisk = "disk"
 	BackendNCCL = "nccl"
+	// BackendIPC is vLLM's ipc backend (CUDA IPC handles of tensors on
+	// the worker's own GPU; C, D and E).
+	BackendIPC = "ipc"
 )
 
 // Load formats (vLLM's --load-format) the double knows.
@@ -167,7 +181,7 @@ const (
 // without VLLM_SERVER_DEV_MODE=1.
 type Config struct {
 	Generation Generation // A, B, C, D or E; "" means D
-	// Backend is "disk" or "nccl". "" means disk on C and D (the double's
+	// Backend is "disk", "nccl" or "ipc". "" means disk on C and D (the double's
 	// long-standing default) and nccl on A and B (which have no disk
 	// backend) and on E (stock vLLM has no disk backend: it exists only in
 	// the unmerged vLLM pull request #52152; stock reloads go through
@@ -213,6 +227,17 @@ type Config struct {
 	// update_weights calls receive tensors through it; without it they are
 	// validated and then refused with 500 "double: no NCCL data plane".
 	NCCLReceiver NCCLReceiver
+	// GPUUUID is the UUID of the GPU the ipc backend's worker plays, as
+	// vLLM reads it (str(torch.cuda.get_device_properties(dev).uuid):
+	// lowercase 8-4-4-4-12 hex, no "GPU-"). Required with backend ipc.
+	GPUUUID string
+	// IPCOpener opens the storages the ipc backend's handles name. Without
+	// it a valid ipc update is refused with 500 "double: no IPC opener".
+	IPCOpener IPCOpener
+	// AllowInsecureSerialization plays VLLM_ALLOW_INSECURE_SERIALIZATION=1;
+	// false (vLLM's default) refuses ipc_handles_pickled as vLLM does.
+	AllowInsecureSerialization bool
+
 	// GPUMemoryBytes is the total memory of the GPU each emulated worker
 	// plays; default DefaultGPUMemoryBytes. Only generation A reads it:
 	// its packed chunk size is min(2% of it, 5 GiB), vLLM's rule then, so
@@ -364,8 +389,15 @@ func (c Config) withDefaults() (Config, error) {
 		if !c.Generation.HasDiskBackend() {
 			return c, fmt.Errorf("double: the disk backend needs generation C, D or E, not %s", c.Generation)
 		}
+	case BackendIPC:
+		if !c.Generation.hasSessions() {
+			return c, fmt.Errorf("double: the ipc backend needs generation C, D or E, not %s", c.Generation)
+		}
+		if !isGPUUUID(c.GPUUUID) {
+			return c, fmt.Errorf("double: the ipc backend needs GPUUUID, the GPU's UUID as torch prints it (lowercase 8-4-4-4-12 hex without \"GPU-\"), got %q", clip(c.GPUUUID))
+		}
 	default:
-		return c, fmt.Errorf("double: backend %q, want disk or nccl", c.Backend)
+		return c, fmt.Errorf("double: backend %q, want disk, nccl or ipc", c.Backend)
 	}
 	switch c.LoadFormat {
 	case "":

@@ -222,7 +222,14 @@ func (s *Server) receiveNCCL(ctx context.Context, info map[string]json.RawMessag
 	if err != nil {
 		return nil, workerError("RuntimeError: NCCL receive failed: %v", err)
 	}
+	return loadTensors(tensors)
+}
+
+// loadTensors is vLLM's load_weights on the bigram model: every received
+// tensor must be bigram.logits (F32 [128, 128]); the last one wins.
+func loadTensors(tensors []Tensor) (*bigram.Model, error) {
 	var m *bigram.Model
+	var err error
 	for _, t := range tensors {
 		if t.Name != bigram.TensorName {
 			return nil, workerError("KeyError: 'unexpected weight %s: the bigram model has only %s'", t.Name, bigram.TensorName)

@@ -27,6 +27,7 @@ type weightState struct {
 	init             *NCCLInit
 	pickleModule     string // module the last init's pickled id named
 	loadFormat       string // the workers' load format (update_config)
+	ipcRefs          IPCRefs
 }
 
 const (
@@ -196,8 +197,12 @@ func (s *Server) initTransfer(w http.ResponseWriter, r *http.Request) {
 		fail(w, err)
 		return
 	}
-	if s.cfg.Backend == BackendDisk {
-		if _, err := diskInitInfo.decode(raw); err != nil {
+	if s.cfg.Backend == BackendDisk || s.cfg.Backend == BackendIPC { // nothing to set up
+		payload := diskInitInfo
+		if s.cfg.Backend == BackendIPC {
+			payload = ipcInitInfo
+		}
+		if _, err := payload.decode(raw); err != nil {
 			fail(w, err)
 			return
 		}
@@ -301,7 +306,8 @@ func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
 		return err
 	}
 	var m *bigram.Model
-	if s.cfg.Backend == BackendDisk {
+	switch s.cfg.Backend {
+	case BackendDisk:
 		if loaded {
 			return workerError("RuntimeError: this weight update session already loaded a checkpoint; the disk backend takes exactly one per session")
 		}
@@ -309,8 +315,14 @@ func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
 		if m, err = loadCheckpointDir("update_info.path", path); err != nil {
 			return err
 		}
-	} else if m, err = s.receiveNCCL(r.Context(), info); err != nil {
-		return err
+	case BackendIPC:
+		if m, err = s.receiveIPC(info); err != nil {
+			return err
+		}
+	default:
+		if m, err = s.receiveNCCL(r.Context(), info); err != nil {
+			return err
+		}
 	}
 	s.model.Store(m)
 	s.mu.Lock()
@@ -325,8 +337,11 @@ func (s *Server) applyUpdate(r *http.Request, raw json.RawMessage) error {
 
 // backendPayload is the update_info class of the server's backend.
 func (s *Server) backendPayload() dataclass {
-	if s.cfg.Backend == BackendDisk {
+	switch s.cfg.Backend {
+	case BackendDisk:
 		return diskUpdateInfo
+	case BackendIPC:
+		return ipcUpdateInfo
 	}
 	return ncclUpdateInfo(s.cfg.Generation)
 }
