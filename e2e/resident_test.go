@@ -60,10 +60,7 @@ func newResidentRig(t *testing.T) *residentRig {
 
 	// One port for every double of the test: the rollouts record the
 	// server that answered, and the trainer learns from every byte of them.
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	r.addr = l.Addr().String()
-	require.NoError(t, l.Close())
+	r.addr = fmt.Sprintf("127.0.0.1:%d", testutil.RebindablePort(t))
 	return r
 }
 

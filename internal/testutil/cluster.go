@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -157,7 +155,7 @@ func StartCluster(t testing.TB, o ClusterOptions) *Cluster {
 	c := &Cluster{t: t, Postgres: pg, bin: server, logDir: t.TempDir()}
 	createSchemas(t, sqlTool, pg, c.logDir)
 
-	frontend := FreePort(t)
+	frontend := RebindablePort(t)
 	c.Address = "127.0.0.1:" + strconv.Itoa(frontend)
 	// The embedded template's variables (go.temporal.io/server's
 	// common/config/config_template_embedded.yaml).
@@ -175,13 +173,13 @@ func StartCluster(t testing.TB, o ClusterOptions) *Cluster {
 		"LOG_LEVEL=warn",
 		"TEMPORAL_ALLOW_NO_AUTH=true",
 		"FRONTEND_GRPC_PORT=" + strconv.Itoa(frontend),
-		"FRONTEND_HTTP_PORT=" + strconv.Itoa(FreePort(t)),
+		"FRONTEND_HTTP_PORT=" + strconv.Itoa(RebindablePort(t)),
 	}
 	for _, s := range []string{"FRONTEND", "HISTORY", "MATCHING", "WORKER"} {
 		if s != "FRONTEND" {
-			c.env = append(c.env, s+"_GRPC_PORT="+strconv.Itoa(FreePort(t)))
+			c.env = append(c.env, s+"_GRPC_PORT="+strconv.Itoa(RebindablePort(t)))
 		}
-		c.env = append(c.env, s+"_MEMBERSHIP_PORT="+strconv.Itoa(freeMembershipPort(t)))
+		c.env = append(c.env, s+"_MEMBERSHIP_PORT="+strconv.Itoa(RebindablePort(t)))
 	}
 	t.Cleanup(func() {
 		c.Down()
@@ -390,23 +388,6 @@ func (c *Cluster) logTails() {
 	for _, l := range logs {
 		c.t.Logf("%s, last lines:\n%s", filepath.Base(l), tailFile(l, 30))
 	}
-}
-
-// freeMembershipPort is a free loopback port below 32768: the server
-// records its membership port in PostgreSQL as a smallint, and the
-// kernel's ephemeral ports (FreePort's) lie above it.
-func freeMembershipPort(t testing.TB) int {
-	t.Helper()
-	for range 1000 {
-		port := 20000 + rand.IntN(32768-20000)
-		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
-		if err == nil {
-			l.Close()
-			return port
-		}
-	}
-	t.Fatal("no free loopback port in 20000-32767")
-	return 0
 }
 
 func quietLogger() sdklog.Logger { return sdklog.NewStructuredLogger(slog.New(slog.DiscardHandler)) }

@@ -149,7 +149,7 @@ func StartPostgres(t testing.TB) *Postgres {
 		t.Fatalf("initdb in %s: %v\n%s", p.dataDir(), err, out.Bytes())
 	}
 	_ = os.Remove(pwfile)
-	p.Port = FreePort(t)
+	p.Port = RebindablePort(t) // Stop and Start keep it
 	p.Start()
 	return p
 }

@@ -7,12 +7,14 @@ package testutil
 
 import (
 	"context"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -79,7 +81,7 @@ func RestartableDevServer(t testing.TB) *Outage {
 		return &Outage{t: t, cluster: c, Address: c.Address}
 	}
 	o := &Outage{t: t, bin: TemporalCLI(t), db: filepath.Join(t.TempDir(), "temporal.db"),
-		Address: "127.0.0.1:" + strconv.Itoa(FreePort(t))}
+		Address: "127.0.0.1:" + strconv.Itoa(RebindablePort(t))}
 	o.Up()
 	t.Cleanup(func() { o.Down() })
 	return o
@@ -183,7 +185,48 @@ func RepoFile(t testing.TB, rel string) string {
 	return p
 }
 
-// FreePort is a TCP port on 127.0.0.1 that was free a moment ago.
+// RebindablePort is a free TCP port on 127.0.0.1 outside the kernel's
+// ephemeral range (net.ipv4.ip_local_port_range), for a listener that a
+// test stops and starts again on the same port: in between, any outgoing
+// connection on the host may get an ephemeral port as its source and hold
+// it, and the second bind fails with "address already in use". It is also
+// below 32768: the Temporal server records its membership ports in
+// PostgreSQL as smallints.
+func RebindablePort(t testing.TB) int {
+	t.Helper()
+	lo, hi := 32768, 60999 // Linux's default range
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if a, err1 := strconv.Atoi(f[0]); err1 == nil {
+				if b, err2 := strconv.Atoi(f[1]); err2 == nil {
+					lo, hi = a, b
+				}
+			}
+		}
+	}
+	const first, last = 20000, 32767
+	var free []int
+	for p := first; p <= last; p++ {
+		if p < lo || p > hi {
+			free = append(free, p)
+		}
+	}
+	if len(free) == 0 {
+		t.Fatalf("no loopback port in %d-%d lies outside the ephemeral range %d-%d (net.ipv4.ip_local_port_range)", first, last, lo, hi)
+	}
+	for range 1000 {
+		port := free[rand.IntN(len(free))]
+		if l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port)); err == nil {
+			l.Close()
+			return port
+		}
+	}
+	t.Fatalf("no free loopback port in %d-%d outside the ephemeral range", first, last)
+	return 0
+}
+
+// FreePort is a TCP port on 127.0.0.1 that was free a moment ago (an
+// ephemeral one: see RebindablePort for a listener restarted on it).
 func FreePort(t testing.TB) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
