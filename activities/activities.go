@@ -79,6 +79,9 @@ type Activities struct {
 
 	// disk is the disk backend, which any worker runs.
 	disk *transfer.Disk
+	// ipc is the ipc backend; its publishes need the trainer, so they run
+	// on the GPU worker that hosts it.
+	ipc *transfer.IPC
 
 	// execs are the exec commands this worker process runs (attempts.go).
 	execs execTable
@@ -89,7 +92,7 @@ type Activities struct {
 
 // New returns the activities.
 func New(d Deps) *Activities {
-	return &Activities{Deps: d, disk: transfer.NewDisk(), secrets: redact.New()}
+	return &Activities{Deps: d, disk: transfer.NewDisk(), ipc: transfer.NewIPC(), secrets: redact.New()}
 }
 
 // NoopInput is the `with` of a noop step.

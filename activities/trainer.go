@@ -186,7 +186,10 @@ func (a *Activities) Publish(ctx context.Context, in PublishInput) (*PublishOutp
 			return nil, err
 		}
 	}
-	snap, restart, err := a.Trainers.Publish(ctx, sc.RunID, spec, version, in.DType)
+	// vLLM's ipc backend rebuilds every tensor from its own torch
+	// ref-counter share (transfer.IPC).
+	snap, restart, err := a.Trainers.PublishWith(ctx, sc.RunID, spec,
+		trainer.PublishRequest{Version: version, DType: in.DType, IPCRefs: backend == pipelines.BackendIPC})
 	if err != nil {
 		return nil, trainerError(ctx, step, err)
 	}

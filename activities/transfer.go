@@ -194,7 +194,7 @@ func defaultVersion(sc pipelines.StepContext) string {
 func (a *Activities) transferPath(ctx context.Context, step string, sc pipelines.StepContext, t vllm.Timeouts) (string, transfer.Engine, transfer.Target, error) {
 	wt := sc.WeightTransfer
 	if wt == nil {
-		return "", nil, transfer.Target{}, badInput(ctx, "%s: the pipeline has no weight_transfer (add weight_transfer: {backend: nccl} or {backend: disk})", step)
+		return "", nil, transfer.Target{}, badInput(ctx, "%s: the pipeline has no weight_transfer (add weight_transfer: {backend: nccl}, {backend: disk} or {backend: ipc})", step)
 	}
 	var engine transfer.Engine
 	switch wt.Backend {
@@ -206,8 +206,10 @@ func (a *Activities) transferPath(ctx context.Context, step string, sc pipelines
 				"%s: the nccl backend must run on a GPU worker (start one with `rlflow worker --gpu` on the trainer's host); this worker has no NCCL engine", step)
 		}
 		engine = a.NCCL
+	case pipelines.BackendIPC:
+		engine = a.ipc
 	default:
-		return "", nil, transfer.Target{}, badInput(ctx, "%s: weight_transfer.backend %q, want %s or %s", step, wt.Backend, pipelines.BackendNCCL, pipelines.BackendDisk)
+		return "", nil, transfer.Target{}, badInput(ctx, "%s: weight_transfer.backend %q, want %s, %s or %s", step, wt.Backend, pipelines.BackendNCCL, pipelines.BackendDisk, pipelines.BackendIPC)
 	}
 	f, err := a.fleet(ctx, step, sc, t)
 	if err != nil {

@@ -240,7 +240,7 @@ func TestTransferDispatch(t *testing.T) {
 	noWT.WeightTransfer = &pipelines.WeightTransfer{Backend: "rdma"}
 	_, err = a.InitTransfer(ctx, InitTransferInput{Context: noWT})
 	assert.Equal(t, pipelines.ErrTypeBadInput, errType(t, err))
-	assert.ErrorContains(t, err, `weight_transfer.backend "rdma", want nccl or disk`)
+	assert.ErrorContains(t, err, `weight_transfer.backend "rdma", want nccl, disk or ipc`)
 }
 
 func TestInitTransferDisk(t *testing.T) {

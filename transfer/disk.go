@@ -140,7 +140,7 @@ func probeMethod(ctx context.Context, c *vllm.Client) (string, error) {
 // Update loads the checkpoint's directory into every server by its method.
 func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, error) {
 	if req.Snapshot != nil {
-		return UpdateResult{}, BadInputf("publish from a resident trainer needs weight_transfer.backend nccl: its snapshot lives in the trainer's GPU memory, and the disk backend loads checkpoint directories")
+		return UpdateResult{}, BadInputf("publish from a resident trainer needs weight_transfer.backend nccl or ipc: its snapshot lives in the trainer's GPU memory, and the disk backend loads checkpoint directories")
 	}
 	if req.DType != "" && req.DType != "keep" {
 		return UpdateResult{}, BadInputf("dtype %q converts tensors on the nccl path only; the disk backend loads the checkpoint as stored", req.DType)

@@ -18,7 +18,7 @@ func TestDiskRefusesASnapshot(t *testing.T) {
 		Tensors: []trainer.Tensor{{Name: "w", DType: "float32", Shape: []int64{2}, Bytes: 8}}}
 	_, err := NewDisk().Update(context.Background(), UpdateRequest{Target: Target{RunID: "run", Fleet: vllm.Fleet{c}}, Snapshot: snap, Version: "v1"})
 	var te *Error
-	const want = "publish from a resident trainer needs weight_transfer.backend nccl: its snapshot lives in the trainer's GPU memory, and the disk backend loads checkpoint directories"
+	const want = "publish from a resident trainer needs weight_transfer.backend nccl or ipc: its snapshot lives in the trainer's GPU memory, and the disk backend loads checkpoint directories"
 	if !errors.As(err, &te) || te.Kind != BadInput || err.Error() != want {
 		t.Fatalf("got %v\nwant BadInput: %s", err, want)
 	}

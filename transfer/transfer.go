@@ -1,8 +1,10 @@
-// Package transfer moves a checkpoint's weights into a fleet of vLLM
-// servers. It holds the contract both weight-transfer backends implement
-// (Engine), the disk backend (Disk), and what the two share: group keys,
-// the update-session protocol with its cleanup, progress for heartbeats and
-// typed errors. The NCCL backend, which needs a GPU, is transfer/ncclengine.
+// Package transfer moves a checkpoint's weights, or a resident trainer's,
+// into a fleet of vLLM servers. It holds the contract every weight-transfer
+// backend implements (Engine), the disk backend (Disk), the ipc backend
+// (IPC: vLLM opens CUDA IPC handles of the trainer's snapshot), and what
+// they share: group keys, the update-session protocol with its cleanup,
+// progress for heartbeats and typed errors. The NCCL backend, which needs a
+// GPU, is transfer/ncclengine.
 //
 // Invariants:
 //
@@ -88,8 +90,10 @@ type UpdateRequest struct {
 	Checkpoint string
 	// Snapshot is a resident trainer's published weights in its GPU memory
 	// (trainer/PROTOCOL.md "publish"), which the trainer keeps intact until
-	// it is released, after Update returned. Only the nccl backend
-	// broadcasts from one, straight from the trainer's memory (CUDA IPC).
+	// it is released, after Update returned. The nccl backend broadcasts
+	// from it straight from the trainer's memory (CUDA IPC); the ipc
+	// backend hands its handles to the servers; the disk backend refuses
+	// it.
 	Snapshot *trainer.Snapshot
 	// DType is "keep", "bfloat16" or "float16": float32 tensors of a
 	// checkpoint are narrowed on the way (nccl only; the disk backend
