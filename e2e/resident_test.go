@@ -17,6 +17,7 @@ import (
 	"github.com/rlflow/rlflow/nccl/staging"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
+	"github.com/rlflow/rlflow/trainer/trainertest"
 	"github.com/rlflow/rlflow/transfer/ncclengine"
 	"github.com/rlflow/rlflow/vllm/double"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
@@ -65,13 +66,19 @@ func newResidentRig(t *testing.T) *residentRig {
 }
 
 // gpuWorker starts an in-process GPU worker over a fresh fake NCCL and a
-// fresh double (untrained, seed 7) whose data plane joins that fake.
-func (r *residentRig) gpuWorker(queue string) (*fakeplane.Receiver, func()) {
+// fresh double (untrained, seed 7) of backend: nccl, whose data plane joins
+// that fake, or ipc, on the fake trainer's GPU, opening its snapshot file.
+func (r *residentRig) gpuWorker(queue, backend string) (*fakeplane.Receiver, *double.Server, func()) {
 	t := r.t
 	fake := nccltest.NewFake(nccltest.Config{Devices: 2, DeviceMemory: 256 << 20})
 	recv := &fakeplane.Receiver{F: fake}
-	dbl, err := double.New(double.Config{Generation: double.GenE, Backend: double.BackendNCCL, DevMode: true,
-		NCCLReceiver: recv, RendezvousTimeout: 10 * time.Second, Seed: 7})
+	cfg := double.Config{Generation: double.GenE, Backend: double.BackendNCCL, DevMode: true,
+		NCCLReceiver: recv, RendezvousTimeout: 10 * time.Second, Seed: 7}
+	if backend == pipelines.BackendIPC {
+		cfg = double.Config{Generation: double.GenE, Backend: double.BackendIPC, DevMode: true, Seed: 7,
+			GPUUUID: trainertest.FakeGPUUUID, IPCOpener: double.FileIPC{}, AllowInsecureSerialization: true}
+	}
+	dbl, err := double.New(cfg)
 	require.NoError(t, err)
 	var l net.Listener
 	require.Eventually(t, func() bool { l, err = net.Listen("tcp", r.addr); return err == nil }, 5*time.Second, 20*time.Millisecond)
@@ -91,13 +98,13 @@ func (r *residentRig) gpuWorker(queue string) (*fakeplane.Receiver, func()) {
 		hs.Close()
 		dbl.Close()
 	}
-	return recv, stop
+	return recv, dbl, stop
 }
 
 // spec is the resident loop: generate from the double, train the resident
 // trainer on the rollouts, pause, publish, resume; checkpoints every 2
 // iterations. die is the fake trainer's fault knob ("" none).
-func (r *residentRig) spec(base, gpuQueue, die string) *pipelines.Pipeline {
+func (r *residentRig) spec(base, gpuQueue, die, backend string) *pipelines.Pipeline {
 	t := r.t
 	require.NoError(t, os.WriteFile(filepath.Join(base, "prompts.jsonl"),
 		[]byte("{\"id\": \"a\", \"prompt\": \"the cat\"}\n{\"id\": \"b\", \"prompt\": \"a dog\"}\n"), 0o644))
@@ -115,7 +122,7 @@ func (r *residentRig) spec(base, gpuQueue, die string) *pipelines.Pipeline {
 	return &pipelines.Pipeline{
 		Version: 1, Name: "resident-e2e", BaseDir: base, Loop: pipelines.Loop{Iterations: 4},
 		Servers:        []pipelines.Server{{URL: "http://" + r.addr}},
-		WeightTransfer: &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL, GPUTaskQueue: gpuQueue, Rendezvous: pipelines.RendezvousAuto},
+		WeightTransfer: &pipelines.WeightTransfer{Backend: backend, GPUTaskQueue: gpuQueue},
 		Trainer: &pipelines.Trainer{
 			Command: []string{testutil.RlflowBinary(t), "fake-trainer"}, Env: env,
 			CheckpointDir: "checkpoints", CheckpointEvery: 2,
@@ -133,16 +140,29 @@ func (r *residentRig) spec(base, gpuQueue, die string) *pipelines.Pipeline {
 	}
 }
 
-// run runs spec to completion and returns what the double received last,
-// and the progress of every iteration's train and sync steps.
+// run runs spec to completion over nccl and returns what the double
+// received last, and the progress of every iteration's train and sync
+// steps.
 func (r *residentRig) run(name, die string) (last map[string][]byte, train, sync []workflows.StepResult) {
+	t := r.t
+	var recv *fakeplane.Receiver
+	train, sync = r.runWith(name, die, pipelines.BackendNCCL, func(rv *fakeplane.Receiver, _ *double.Server) { recv = rv })
+	got := recv.Received()
+	require.Len(t, got, 4, "one update per iteration reached the double")
+	return got[3], train, sync
+}
+
+// runWith runs spec over backend to completion, hands done the GPU
+// worker's double (and its NCCL receiver) before they stop, and returns
+// the progress of every iteration's train and sync steps.
+func (r *residentRig) runWith(name, die, backend string, done func(*fakeplane.Receiver, *double.Server)) (train, sync []workflows.StepResult) {
 	t := r.t
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	gpuQueue := "rlflow-gpu-" + name
-	recv, stop := r.gpuWorker(gpuQueue)
+	recv, dbl, stop := r.gpuWorker(gpuQueue, backend)
 	defer stop()
-	spec := r.spec(t.TempDir(), gpuQueue, die)
+	spec := r.spec(t.TempDir(), gpuQueue, die, backend)
 	run, err := runs.Start(ctx, r.c, runs.StartOptions{Spec: spec, TaskQueue: r.queue, ID: "resident-" + name})
 	require.NoError(t, err)
 	var res workflows.PipelineResult
@@ -153,9 +173,8 @@ func (r *residentRig) run(name, die string) (last map[string][]byte, train, sync
 		train = append(train, stepOf(t, p, "train"))
 		sync = append(sync, stepOf(t, p, "sync"))
 	}
-	got := recv.Received()
-	require.Len(t, got, 4, "one update per iteration reached the double")
-	return got[3], train, sync
+	done(recv, dbl)
+	return train, sync
 }
 
 // The resident trainer SIGKILLed in the middle of iteration 4's training:
@@ -186,4 +205,29 @@ func TestResidentTrainerSIGKILLedMidIteration(t *testing.T) {
 	assert.Equal(t, float64(2), k.Outputs["trainer_generation"])
 	assert.Contains(t, k.Outputs["restart_cause"], "signal")
 	assert.Equal(t, false, train[2].Outputs["restarted"], "iteration 3 trained once, before the kill")
+}
+
+// The same loop over vLLM's ipc backend (trainer and server on one GPU):
+// every publish hands the double the fake trainer's snapshot as CUDA IPC
+// handles in update_info, one rebuild_cuda_tensor per tensor (the double
+// opens the fake_shm file as the handle's memory), and the double ends on
+// the bytes the nccl run's broadcasts delivered: the same weights by
+// either backend.
+func TestResidentTrainerOverIPC(t *testing.T) {
+	r := newResidentRig(t)
+	viaNCCL, _, _ := r.run("nccl", "")
+	var served []byte
+	var refs double.IPCRefs
+	train, sync := r.runWith("ipc", "", pipelines.BackendIPC, func(_ *fakeplane.Receiver, d *double.Server) {
+		served, refs = d.Model().Bytes(), d.IPCRefs()
+	})
+	require.Contains(t, viaNCCL, bigram.TensorName)
+	assert.Equal(t, viaNCCL[bigram.TensorName], served, "the weights the ipc backend loaded after iteration 4 differ from the nccl run's")
+	assert.Equal(t, 4, refs.Held+refs.Released, "one ref-counter share per tensor per publish")
+	for i := range 4 {
+		assert.Equal(t, "ipc", sync[i].Outputs["backend"], "iteration %d's publish", i+1)
+		assert.Equal(t, []any{"ipc"}, sync[i].Outputs["methods"], "iteration %d's publish", i+1)
+		assert.Equal(t, float64(i+1), sync[i].Outputs["iteration"], "iteration %d's publish", i+1)
+		assert.Equal(t, 1, train[i].Attempts)
+	}
 }

@@ -61,6 +61,9 @@ const (
 	// only sleeps (a stand-in for a data loader worker); its pid is
 	// logged as "child pid N".
 	EnvChild = "RLFLOW_FAKE_TRAINER_CHILD"
+	// EnvGPUUUID: the gpu_uuid publish reports (default FakeGPUUUID):
+	// vLLM's ipc backend finds each tensor's handle by it.
+	EnvGPUUUID = "RLFLOW_FAKE_TRAINER_GPU_UUID"
 	// envRole "child" makes Main that sleeping child.
 	envRole = "RLFLOW_FAKE_TRAINER_ROLE"
 )
@@ -167,6 +170,7 @@ func startChild() (int, error) {
 type fake struct {
 	model      *model
 	device     int
+	gpuUUID    string
 	shmDir     string
 	dies       map[string]bool // "train:3"
 	markerDir  string
@@ -198,7 +202,7 @@ func newFake() (*fake, error) {
 	if err != nil || device < 0 {
 		return nil, fmt.Errorf("%s: want a CUDA ordinal", trainer.EnvDevice)
 	}
-	f := &fake{model: newModel(specs, seed), device: device, shmDir: env(EnvShmDir, os.TempDir()),
+	f := &fake{model: newModel(specs, seed), device: device, gpuUUID: env(EnvGPUUUID, FakeGPUUUID), shmDir: env(EnvShmDir, os.TempDir()),
 		dies: map[string]bool{}, markerDir: os.Getenv(EnvMarkerDir)}
 	for _, d := range []struct {
 		env string
@@ -509,13 +513,17 @@ func (f *fake) publish(r request) (map[string]any, error) {
 	}
 	f.unreleased = version
 	reply := map[string]any{"version": version, "ipc": trainer.IPCFakeShm, "path": f.snapshot,
-		"storage_bytes": len(buf), "storage_offset": 0, "device": f.device, "tensors": tensors,
+		"storage_bytes": len(buf), "storage_offset": 0, "device": f.device, "gpu_uuid": f.gpuUUID, "tensors": tensors,
 		"snapshot_seconds": time.Since(began).Seconds()}
 	if refs {
 		reply["ipc_refs"] = fakeRefs(len(tensors))
 	}
 	return reply, nil
 }
+
+// FakeGPUUUID is the GPU the fake trainer says it runs on, unless
+// EnvGPUUUID says otherwise.
+const FakeGPUUUID = "fa4efa4e-0000-4000-8000-00000000fa4e"
 
 // fakeRefs are a fake_shm snapshot's ipc_refs for n tensors: the one fake
 // ref-counter file, slots 0 to n-1, no event.
