@@ -34,6 +34,7 @@ package e2e
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -54,6 +55,7 @@ import (
 	"github.com/rlflow/rlflow/activities"
 	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/internal/testutil/gputest"
+	"github.com/rlflow/rlflow/nccl"
 	"github.com/rlflow/rlflow/nccl/cudaipc"
 	"github.com/rlflow/rlflow/pipelines"
 	"github.com/rlflow/rlflow/runs"
@@ -96,7 +98,8 @@ type residentGPURig struct {
 	c        client.Client
 	queue    string // the control worker's
 	gpuQueue string // the GPU worker's shared queue
-	url      string // receiver.py
+	backend  string // the runs' weight_transfer.backend (nccl unless set)
+	url      string // receiver.py of backend
 	py       string // absolute: a trainer's command[0] must be
 	script   string // bench_trainer.py
 	helper   string // trainer/python: rlflow_trainer on PYTHONPATH
@@ -151,9 +154,8 @@ func (r *residentGPURig) spec(base string, killAt int) *pipelines.Pipeline {
 	retry := &pipelines.RetryPolicy{MaxAttempts: 3, InitialInterval: pipelines.Duration(500 * time.Millisecond)}
 	return &pipelines.Pipeline{
 		Version: 1, Name: "resident-gpu-e2e", BaseDir: base, Loop: pipelines.Loop{Iterations: residentIterations},
-		Servers: []pipelines.Server{{URL: r.url, API: "E"}},
-		WeightTransfer: &pipelines.WeightTransfer{Backend: pipelines.BackendNCCL, GPUTaskQueue: r.gpuQueue,
-			Rendezvous: pipelines.RendezvousAuto},
+		Servers:        []pipelines.Server{{URL: r.url, API: "E"}},
+		WeightTransfer: &pipelines.WeightTransfer{Backend: cmp.Or(r.backend, pipelines.BackendNCCL), GPUTaskQueue: r.gpuQueue},
 		Trainer: &pipelines.Trainer{
 			Command: []string{r.py, r.script, "--model-bytes", residentModel, "--hidden", strconv.Itoa(residentHidden), "--seed", "7"},
 			Dir:     base,
@@ -201,65 +203,22 @@ func (r *residentGPURig) phase(format string, args ...any) {
 func TestGPUResidentPipelineSIGKILL(t *testing.T) {
 	// What a CPU machine can check runs first: the scripts exist and both
 	// runs' pipelines validate and render the kill's args as meant.
-	r := &residentGPURig{t: t, queue: "resident-gpu-control", gpuQueue: "resident-gpu-shared", start: time.Now()}
-	r.script = gputest.Script(t, "bench_trainer.py")
-	receiverScript := gputest.Script(t, "receiver.py")
-	r.helper = filepath.Dir(testutil.RepoFile(t, filepath.Join("trainer", "python", "rlflow_trainer.py")))
-	r.py = residentPython(t)
-	port := testutil.FreePort(t)
-	r.url = fmt.Sprintf("http://127.0.0.1:%d", port)
-	checkSpec(t, r.spec(t.TempDir(), 0))
-	checkSpec(t, r.spec(t.TempDir(), residentKillAt))
-	for _, c := range []struct {
-		iter  int
-		sleep any
-	}{{residentKillAt, residentKillSleep}, {residentKillAt - 1, 0}} {
-		got, err := pipelines.Render(residentTrainArgs("/marks", residentKillAt), pipelines.Env{Iteration: c.iter})
-		require.NoError(t, err)
-		require.Equal(t, map[string]any{"sleep": c.sleep, "mark": fmt.Sprintf("/marks/mark-%d", c.iter)}, got, "iteration %d's train args", c.iter)
-	}
-
-	lib := gputest.Lib(t)
-	pl := gputest.Place(t, 2)
-	probeResidentTorch(t, r.py, r.script)
-	srv := testutil.DevServer(t)
-	r.logs = gpuLogsDir(t)
-	t.Logf("process logs in %s", r.logs)
-
-	budget := residentBudget - 15*time.Second // room for cleanup
-	if d, ok := t.Deadline(); ok && time.Until(d)-15*time.Second < budget {
-		budget = time.Until(d) - 15*time.Second
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), budget)
-	defer cancel()
-
-	r.phase("receiver")
-	startResidentReceiver(ctx, t, r, pl, receiverScript, port)
-	c, err := runs.Connect(ctx, srv.Address, "default")
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	r.c = c
-	w, err := worker.NewControl(c, worker.Options{TaskQueue: r.queue, Deps: activities.Deps{LogDir: t.TempDir()}})
-	require.NoError(t, err)
-	require.NoError(t, w.Start())
-	t.Cleanup(w.Stop)
-
-	// The GPU worker as `rlflow worker --gpu` builds it, with the engine
-	// given: the real NCCL, the CUDA IPC importer, the placement's device
-	// (its trainers run there too).
-	im, err := cudaipc.New(lib)
-	require.NoError(t, err, "CUDA IPC importer")
-	engine, err := ncclengine.New(ncclengine.Config{API: lib, IPC: im, Device: pl.Trainer, Advertise: "127.0.0.1"})
-	require.NoError(t, err)
-	wlog, _ := logFile(t, r.logs, "gpu-worker")
-	g, err := gpuworker.New(c, gpuworker.Options{SharedQueue: r.gpuQueue, Engine: engine, Device: pl.Trainer, Advertise: "127.0.0.1",
-		Host: "resident-gpu-host", Log: slog.New(slog.NewTextHandler(wlog, &slog.HandlerOptions{Level: slog.LevelDebug}))})
-	require.NoError(t, err)
-	require.NoError(t, g.Start())
-	t.Cleanup(func() {
-		g.Stop() // stops the trainers
-		engine.Close()
+	r, env := newResidentGPURig(t, func(r *residentGPURig) {
+		checkSpec(t, r.spec(t.TempDir(), 0))
+		checkSpec(t, r.spec(t.TempDir(), residentKillAt))
+		for _, c := range []struct {
+			iter  int
+			sleep any
+		}{{residentKillAt, residentKillSleep}, {residentKillAt - 1, 0}} {
+			got, err := pipelines.Render(residentTrainArgs("/marks", residentKillAt), pipelines.Env{Iteration: c.iter})
+			require.NoError(t, err)
+			require.Equal(t, map[string]any{"sleep": c.sleep, "mark": fmt.Sprintf("/marks/mark-%d", c.iter)}, got, "iteration %d's train args", c.iter)
+		}
 	})
+	ctx := env.ctx
+	r.phase("receiver")
+	r.url = startResidentReceiver(ctx, t, r, env, pipelines.BackendNCCL)
+	env.startWorkers()
 
 	a := r.run(ctx, "resident-gpu-calm", 0)
 	b := r.run(ctx, "resident-gpu-killed", residentKillAt)
@@ -337,6 +296,77 @@ func TestGPUResidentPipelineSIGKILL(t *testing.T) {
 			run.name, run.ckpt, len(want)-bad, len(want))
 	}
 	r.phase("done")
+}
+
+// residentGPUEnv is what a resident GPU test runs on: its deadline, the
+// GPU placement, the dev server, the receiver script.
+type residentGPUEnv struct {
+	r        *residentGPURig
+	ctx      context.Context
+	lib      *nccl.Library
+	pl       gputest.Placement
+	srv      string // the dev server's address
+	receiver string // receiver.py
+}
+
+// newResidentGPURig finds the scripts, runs check (what a CPU machine can
+// verify: the specs validate; the rig's url is a placeholder then), then
+// skips, saying why, without NCCL, a GPU or a CUDA torch, and starts the
+// dev server.
+func newResidentGPURig(t *testing.T, check func(*residentGPURig)) (*residentGPURig, *residentGPUEnv) {
+	r := &residentGPURig{t: t, queue: "resident-gpu-control", gpuQueue: "resident-gpu-shared", start: time.Now()}
+	r.script = gputest.Script(t, "bench_trainer.py")
+	env := &residentGPUEnv{r: r, receiver: gputest.Script(t, "receiver.py")}
+	r.helper = filepath.Dir(testutil.RepoFile(t, filepath.Join("trainer", "python", "rlflow_trainer.py")))
+	r.py = residentPython(t)
+	r.url = "http://127.0.0.1:8000"
+	check(r)
+	r.url = ""
+
+	env.lib = gputest.Lib(t)
+	env.pl = gputest.Place(t, 2)
+	probeResidentTorch(t, r.py, r.script)
+	env.srv = testutil.DevServer(t).Address
+	r.logs = gpuLogsDir(t)
+	t.Logf("process logs in %s", r.logs)
+
+	budget := residentBudget - 15*time.Second // room for cleanup
+	if d, ok := t.Deadline(); ok && time.Until(d)-15*time.Second < budget {
+		budget = time.Until(d) - 15*time.Second
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), budget)
+	t.Cleanup(cancel)
+	env.ctx = ctx
+	return r, env
+}
+
+// startWorkers starts the control worker and the GPU worker as `rlflow
+// worker --gpu` builds it, with the engine given: the real NCCL, the CUDA
+// IPC importer, the placement's device (its trainers run there too).
+func (env *residentGPUEnv) startWorkers() {
+	r, t := env.r, env.r.t
+	c, err := runs.Connect(env.ctx, env.srv, "default")
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	r.c = c
+	w, err := worker.NewControl(c, worker.Options{TaskQueue: r.queue, Deps: activities.Deps{LogDir: t.TempDir()}})
+	require.NoError(t, err)
+	require.NoError(t, w.Start())
+	t.Cleanup(w.Stop)
+
+	im, err := cudaipc.New(env.lib)
+	require.NoError(t, err, "CUDA IPC importer")
+	engine, err := ncclengine.New(ncclengine.Config{API: env.lib, IPC: im, Device: env.pl.Trainer, Advertise: "127.0.0.1"})
+	require.NoError(t, err)
+	wlog, _ := logFile(t, r.logs, "gpu-worker")
+	g, err := gpuworker.New(c, gpuworker.Options{SharedQueue: r.gpuQueue, Engine: engine, Device: env.pl.Trainer, Advertise: "127.0.0.1",
+		Host: "resident-gpu-host", Log: slog.New(slog.NewTextHandler(wlog, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	require.NoError(t, err)
+	require.NoError(t, g.Start())
+	t.Cleanup(func() {
+		g.Stop() // stops the trainers
+		engine.Close()
+	})
 }
 
 // run runs the spec with killAt to completion; with killAt > 0 it SIGKILLs
@@ -476,18 +506,29 @@ func residentTrainerProcs(runID string) ([]trainerKill, error) {
 	return out, nil
 }
 
-// startResidentReceiver starts receiver.py --http as the run's generation E
-// server, rank 1 of the placement (its own NCCL_HOSTID on a shared GPU), and
-// waits for its READY line. No process group and no Pdeathsig: a Pdeathsig
-// fires when the forking OS thread ends, which a Go test does not control;
-// its --deadline ends it if the test dies.
-func startResidentReceiver(ctx context.Context, t *testing.T, r *residentGPURig, pl gputest.Placement, script string, port int) {
+// startResidentReceiver starts receiver.py --http as a generation E server
+// of backend and waits for its READY line; it returns its URL. With nccl it
+// is rank 1 of the placement (its own NCCL_HOSTID on a shared GPU); with
+// ipc it runs on the trainer's GPU, as vLLM's ipc backend needs, and
+// unpickles update_info's handles as vLLM does (so it needs vLLM's
+// VLLM_ALLOW_INSECURE_SERIALIZATION=1). No process group and no
+// Pdeathsig: its --deadline ends it if the test dies.
+func startResidentReceiver(ctx context.Context, t *testing.T, r *residentGPURig, e *residentGPUEnv, backend string) string {
 	t.Helper()
-	f, logPath := logFile(t, r.logs, "receiver")
-	args := []string{script, "--http", strconv.Itoa(port), "--api", "E", "--device", strconv.Itoa(pl.Device(1)),
+	port := testutil.FreePort(t)
+	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	f, logPath := logFile(t, r.logs, "receiver-"+backend)
+	device := e.pl.Device(1)
+	if backend == pipelines.BackendIPC {
+		device = e.pl.Trainer
+	}
+	args := []string{e.receiver, "--http", strconv.Itoa(port), "--api", "E", "--backend", backend, "--device", strconv.Itoa(device),
 		"--deadline", strconv.Itoa(int(residentBudget.Seconds()) + 60), "--update-deadline", "30"}
 	cmd := exec.Command(r.py, args...)
-	env := pl.ProcEnv("rlflow-worker1")
+	env := e.pl.ProcEnv("rlflow-worker1")
+	if backend == pipelines.BackendIPC {
+		env = append(env, "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+	}
 	cmd.Env = append(append(os.Environ(), env...), "PYTHONUNBUFFERED=1", ncclDebug())
 	fmt.Fprintf(f, "$ %s%s %s\n", strings.Join(append(env, ""), " "), r.py, strings.Join(args, " "))
 	cmd.Stderr = f
@@ -517,12 +558,13 @@ func startResidentReceiver(ctx context.Context, t *testing.T, r *residentGPURig,
 	defer cancel()
 	select {
 	case line := <-ready:
-		t.Logf("receiver %s: %s (log %s)", r.url, line, logPath)
+		t.Logf("receiver %s: %s (log %s)", url, line, logPath)
 	case <-done:
 		t.Fatalf("receiver.py exited before READY (see %s)", logPath)
 	case <-rctx.Done():
 		t.Fatalf("receiver.py: no READY: %v (see %s)", rctx.Err(), logPath)
 	}
+	return url
 }
 
 // residentPython is $RLFLOW_PYTHON (default python3) as an absolute path

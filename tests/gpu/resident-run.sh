@@ -13,6 +13,10 @@
 #   sigkill   TestGPUResidentSIGKILL: trainer.Manager + bench_trainer.py killed
 #             twice in iteration 5 of 6; restarts, replay, receiver SHA-256s
 #             after every iteration identical to an undisturbed run;
+#   e2e, ipc  (only when named in ONLY) TestGPUResidentPipelineSIGKILL and
+#             TestGPUResidentPipelineIPC from .carry/e2e.test.xz and
+#             temporal.xz: the SIGKILL, and vLLM's ipc backend against the
+#             nccl path, as pipelines on a Temporal dev server;
 #   bench     TestGPUResidentBench: issue 18's figure, (a) bench_seed.py vs
 #             (b) the checkpoint path vs (c) the resident path, 1 GiB and
 #             4 GiB, non-packed and packed 1 GiB; as many rounds (up to
@@ -32,7 +36,9 @@
 set -o pipefail
 set +m # background jobs stay in this group: timeout(1) makes its own
 R=$PWD
-xz -dc .carry/ncclengine.test.xz > /tmp/ncclengine.test && chmod +x /tmp/ncclengine.test || exit 2
+case " ${ONLY:-py example snapshot sigkill bench} " in *" snapshot "*|*" sigkill "*|*" bench "*)
+	xz -dc .carry/ncclengine.test.xz > /tmp/ncclengine.test && chmod +x /tmp/ncclengine.test || exit 2 ;;
+esac
 PY=/opt/torch/.venv/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
 # Both NCCL sides on the receiver's library (ranks of different builds refuse
@@ -77,6 +83,7 @@ step example "${T_EXAMPLE:-80}" "$R" "$PY" tests/gpu/resident_trainer_gpu.py
 step snapshot "${T_SNAP:-90}" "$R/transfer/ncclengine" $GT -test.v -test.timeout 20m -test.run '^TestGPUSnapshotBroadcast$'
 step sigkill "${T_KILL:-100}" "$R/transfer/ncclengine" $GT -test.v -test.timeout 20m -test.run '^TestGPUResidentSIGKILL$'
 step e2e "${T_E2E:-280}" "$R/e2e" sh -c 'xz -dc ../.carry/e2e.test.xz > /tmp/e2e.test && xz -dc ../.carry/temporal.xz > /tmp/temporal && chmod +x /tmp/e2e.test /tmp/temporal && RLFLOW_TEMPORAL=/tmp/temporal exec /tmp/e2e.test -test.v -test.timeout 10m -test.run "^TestGPUResidentPipelineSIGKILL\$"' # ONLY=e2e: TestGPUResidentPipelineSIGKILL, the SIGKILL as a pipeline on a Temporal dev server (needs .carry/e2e.test.xz, temporal.xz)
+step ipc "${T_IPC:-200}" "$R/e2e" sh -c '[ -x /tmp/e2e.test ] || { xz -dc ../.carry/e2e.test.xz > /tmp/e2e.test && xz -dc ../.carry/temporal.xz > /tmp/temporal && chmod +x /tmp/e2e.test /tmp/temporal; } && RLFLOW_TEMPORAL=/tmp/temporal exec /tmp/e2e.test -test.v -test.timeout 10m -test.run "^TestGPUResidentPipelineIPC\$"' # ONLY=ipc: TestGPUResidentPipelineIPC, vLLM's ipc backend (receiver.py --backend ipc) against the nccl path on a Temporal dev server (same carry as e2e)
 T_BENCH=${T_BENCH:-$((TOTAL - SECONDS > 120 ? TOTAL - SECONDS : 120))}
 export RLFLOW_RESIDENT_BUDGET_S=${BENCH_BUDGET:-$((T_BENCH - 40))}
 case " $STEPS " in *" bench "*) echo "bench: ${T_BENCH}s, rounds start within ${RLFLOW_RESIDENT_BUDGET_S}s" ;; esac
