@@ -467,18 +467,22 @@ func decodeRefs(r *reply, want bool) ([]IPCRef, error) {
 	return refs, nil
 }
 
+// member is obj's field name, or the protocol error that field.name is
+// missing.
+func member(ref frameRef, obj map[string]json.RawMessage, field, name string) (json.RawMessage, error) {
+	v, ok := obj[name]
+	if !ok {
+		return nil, ref.protocolError("field %q missing", field+"."+name)
+	}
+	return v, nil
+}
+
 func decodeRef(ref frameRef, field string, raw json.RawMessage) (out IPCRef, err error) {
 	obj, err := parseObject(ref, field, raw)
 	if err != nil {
 		return out, err
 	}
-	get := func(name string) (json.RawMessage, error) {
-		v, ok := obj[name]
-		if !ok {
-			return nil, ref.protocolError("field %q missing", field+"."+name)
-		}
-		return v, nil
-	}
+	get := func(name string) (json.RawMessage, error) { return member(ref, obj, field, name) }
 	// b64 decodes a base64 field; null is nil when nullable.
 	b64 := func(name string, nullable bool) ([]byte, error) {
 		v, err := get(name)
@@ -522,13 +526,7 @@ func decodeTensor(ref frameRef, field string, raw json.RawMessage) (t Tensor, er
 	if err != nil {
 		return t, err
 	}
-	get := func(name string) (json.RawMessage, error) {
-		v, ok := obj[name]
-		if !ok {
-			return nil, ref.protocolError("field %q missing", field+"."+name)
-		}
-		return v, nil
-	}
+	get := func(name string) (json.RawMessage, error) { return member(ref, obj, field, name) }
 	v, err := get("name")
 	if err == nil {
 		t.Name, err = parseStr(ref, field+".name", v)
