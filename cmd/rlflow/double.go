@@ -38,6 +38,11 @@ func (f *doubleFlags) config() (double.Config, error) {
 	if !f.backendSet && !cfg.Generation.HasDiskBackend() {
 		cfg.Backend = double.BackendNCCL
 	}
+	if cfg.Backend == double.BackendIPC {
+		// Its handles would be files the server reads on a client's say
+		// (the TEST DOUBLE's FileIPC): Go tests only, never a listener.
+		return cfg, &exitError{code: 2, err: fmt.Errorf("--backend ipc: the double serves vLLM's ipc backend to Go tests only (vllm/double.FileIPC); use disk or nccl")}
+	}
 	cfg.LoadFormat = strings.ToLower(f.loadFormat)
 	if f.apiKeyEnv != "" {
 		if cfg.APIKey = os.Getenv(f.apiKeyEnv); cfg.APIKey == "" {
