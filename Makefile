@@ -83,6 +83,7 @@ lint: $(STATICCHECK) $(WORKFLOWCHECK)
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzLoad -fuzztime 2m ./pipelines/
 	$(GO) test -run '^$$' -fuzz FuzzDecodeReply -fuzztime 2m ./trainer/
+	$(GO) test -run '^$$' -fuzz FuzzReadIPCHandles -fuzztime 2m ./vllm/double/
 
 # Orchestration overhead on the dev server and on a real cluster
 # (PostgreSQL, the shipped dynamic config), each against in-process
