@@ -304,7 +304,7 @@ func (a *Activities) trainerSpec(ctx context.Context, step string, sc pipelines.
 	}
 	spec := trainer.Spec{
 		Command: append([]string{prog}, tr.Command[1:]...), Dir: dir, Env: env, Device: a.TrainerDevice,
-		CheckpointDir: runDir, CheckpointEvery: tr.CheckpointEvery,
+		CheckpointDir: runDir, CheckpointEvery: tr.CheckpointEvery, KeepCheckpoints: tr.KeepCheckpoints,
 		StartTimeout: tr.StartTimeout.D(), KillGrace: tr.KillGrace.D(),
 		LogPath: filepath.Join(runDir, "trainer.log"),
 	}

@@ -177,6 +177,7 @@ var trainerObj = &object{
 		{name: "secrets", pattern: envVarRe, defDoc: "none", doc: "names of variables of the GPU worker's environment the trainer gets with their values; masked as `***` in what the worker reports"},
 		{name: "checkpoint_dir", required: true, doc: "directory of the durable checkpoints and the training journal, relative to base_dir; each run uses `<checkpoint_dir>/<run id>/`"},
 		{name: "checkpoint_every", min: bound(1), max: bound(maxInt32), def: int64(DefaultCheckpointEvery), doc: "train saves a checkpoint after every iteration that is a multiple of this; a restart replays at most this many iterations less one"},
+		{name: "keep_checkpoints", min: bound(0), max: bound(maxInt32), def: int64(0), doc: "keep only the newest this many checkpoints (ckpt-<n>), deleting older ones after each save; the one a restart loads is always kept; 0 keeps every one"},
 		{name: "start_timeout", min: seconds(minTimeout), def: Duration(DefaultTrainerStartTimeout), doc: "deadline of starting the trainer: its process, hello and the load of its last checkpoint"},
 		{name: "kill_grace", min: seconds(minTimeout), def: Duration(DefaultKillGrace), doc: "time between SIGTERM and SIGKILL when the trainer is stopped"},
 	},

@@ -204,7 +204,10 @@ type Trainer struct {
 	CheckpointDir string `json:"checkpoint_dir" yaml:"checkpoint_dir"`
 	// CheckpointEvery: train saves a checkpoint after every iteration
 	// that is a multiple of it (0 before defaults: DefaultCheckpointEvery).
-	CheckpointEvery int      `json:"checkpoint_every,omitempty" yaml:"checkpoint_every,omitempty"`
+	CheckpointEvery int `json:"checkpoint_every,omitempty" yaml:"checkpoint_every,omitempty"`
+	// KeepCheckpoints bounds the ckpt-<n> directories kept: the newest
+	// this many (LATEST's among them); 0 keeps every one.
+	KeepCheckpoints int      `json:"keep_checkpoints,omitempty" yaml:"keep_checkpoints,omitempty"`
 	StartTimeout    Duration `json:"start_timeout,omitempty" yaml:"start_timeout,omitempty"`
 	KillGrace       Duration `json:"kill_grace,omitempty" yaml:"kill_grace,omitempty"`
 }

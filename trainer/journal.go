@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -97,6 +98,38 @@ func appendJournal(dir string, l journalLine) error {
 		}
 	}
 	return nil
+}
+
+// pruneCheckpoints deletes the ckpt-<n> directories of dir beyond the
+// newest keep of those at or below latest (LATEST's): never LATEST's,
+// never a newer one (an attempt's, still being written), nothing when keep
+// is 0.
+func pruneCheckpoints(dir string, latest, keep int) error {
+	if keep <= 0 {
+		return nil
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	var iters []int
+	for _, e := range ents {
+		n, err := strconv.Atoi(strings.TrimPrefix(e.Name(), CheckpointPrefix))
+		if e.IsDir() && strings.HasPrefix(e.Name(), CheckpointPrefix) && err == nil && n <= latest && CheckpointName(n) == e.Name() {
+			iters = append(iters, n)
+		}
+	}
+	slices.Sort(iters)
+	var errs []error
+	for _, n := range iters[:max(0, len(iters)-keep)] {
+		if n == latest {
+			continue
+		}
+		if err := os.RemoveAll(filepath.Join(dir, CheckpointName(n))); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // pruneJournal drops the lines at or below iteration (a checkpoint holds

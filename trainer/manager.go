@@ -431,6 +431,11 @@ func (m *Manager) checkpoint(ctx context.Context, p *proc, spec Spec, iteration 
 	if err := pruneJournal(dir, iteration); err != nil {
 		return SaveResult{}, err
 	}
+	// The checkpoint is durable and named: a failed deletion of older
+	// ones costs disk, not the step.
+	if err := pruneCheckpoints(dir, iteration, spec.KeepCheckpoints); err != nil && m.opts.Log != nil {
+		m.opts.Log.Warn("trainer: deleting old checkpoints", "dir", dir, "error", err)
+	}
 	return SaveResult{Path: path, Bytes: s.Bytes, Seconds: s.Seconds, Iteration: iteration}, nil
 }
 

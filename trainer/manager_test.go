@@ -759,3 +759,58 @@ func TestATrainerOutlivesTheThreadThatStartedIt(t *testing.T) {
 	require.NoError(t, err)
 	assert.Nil(t, res.Restart, "the trainer still runs")
 }
+
+// keep_checkpoints: after each save only the newest K checkpoints stay,
+// LATEST's among them, and a trainer killed after that restarts from the
+// one kept; 0 keeps every one.
+func TestKeepCheckpoints(t *testing.T) {
+	ro := rolloutFiles(t, 5)
+	left := func(spec trainer.Spec) []string {
+		ents, err := os.ReadDir(spec.CheckpointDir)
+		require.NoError(t, err)
+		var out []string
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), trainer.CheckpointPrefix) {
+				out = append(out, e.Name())
+			}
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		keep int
+		want []string
+	}{
+		{0, []string{"ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4", "ckpt-5"}},
+		{2, []string{"ckpt-4", "ckpt-5"}},
+		{1, []string{"ckpt-5"}},
+	} {
+		t.Run(fmt.Sprint("keep ", tc.keep), func(t *testing.T) {
+			m := trainer.NewManager(trainer.Options{})
+			t.Cleanup(func() { _ = m.Close(context.Background()) })
+			spec := newSpec(t, roleFake, 1)
+			spec.KeepCheckpoints = tc.keep
+			for i := 1; i <= 5; i++ {
+				_, err := m.Train(context.Background(), "r1", spec, trainer.TrainRequest{Iteration: i, Rollouts: ro[i-1]})
+				require.NoError(t, err)
+			}
+			assert.Equal(t, tc.want, left(spec))
+			if tc.keep != 1 {
+				return
+			}
+			// SIGKILLed now, the trainer restarts from the one kept.
+			pid, _, ok := m.Running("r1")
+			require.True(t, ok)
+			exited := trainer.Exited(m, "r1")
+			require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+			<-exited
+			res, err := m.Train(context.Background(), "r1", spec, trainer.TrainRequest{Iteration: 6, Rollouts: ro[4]})
+			require.NoError(t, err)
+			require.NotNil(t, res.Restart)
+			assert.Equal(t, 5, res.Restart.RestoredFrom)
+			assert.Equal(t, []string{"ckpt-6"}, left(spec))
+		})
+	}
+	spec := newSpec(t, roleFake, 1)
+	spec.KeepCheckpoints = -1
+	assert.ErrorContains(t, spec.Validate(), "spec.keep_checkpoints: -1, want >= 0")
+}

@@ -37,6 +37,9 @@ type Spec struct {
 	// CheckpointEvery (>= 1): Train saves after every iteration that is a
 	// multiple of it.
 	CheckpointEvery int
+	// KeepCheckpoints (>= 0): after a save, only the newest this many
+	// ckpt-<n> directories stay (LATEST's among them); 0 keeps all.
+	KeepCheckpoints int
 	// StartTimeout bounds start + hello + load (not the replay, which the
 	// call's context bounds).
 	StartTimeout time.Duration
@@ -65,6 +68,9 @@ func (s Spec) Validate() error {
 	}
 	if s.Device < 0 {
 		bad("spec.device: %d, want a CUDA ordinal >= 0", s.Device)
+	}
+	if s.KeepCheckpoints < 0 {
+		bad("spec.keep_checkpoints: %d, want >= 0", s.KeepCheckpoints)
 	}
 	if s.CheckpointEvery < 1 {
 		bad("spec.checkpoint_every: %d, want >= 1", s.CheckpointEvery)
