@@ -20,14 +20,16 @@ const module = "github.com/rlflow/rlflow/"
 var layers = [][]string{
 	// Foundations: file formats, the C bindings and the NCCL wire formats,
 	// the vLLM client, GPU health, a command's processes, secret masking,
-	// payload encryption. They import nothing of the module.
-	{"safetensors", "nccl", "nccl/ncclid", "nccl/tcpstore", "vllm", "gpuhealth", "procs", "redact", "codec"},
+	// payload encryption; the tests' golden-file check. They import nothing
+	// of the module.
+	{"safetensors", "nccl", "nccl/ncclid", "nccl/tcpstore", "vllm", "gpuhealth", "procs", "redact", "codec", "internal/goldenfile"},
 	// The pipeline spec and step registry (whose server-call defaults are
 	// the vLLM client's), NCCL's planner and test double, CUDA IPC import
 	// (over nccl's CUDA runtime), the double's model, the resident
 	// trainer's protocol and supervisor (over procs).
 	{"pipelines", "nccl/plan", "nccl/nccltest", "nccl/cudaipc", "gpuhealth/gpuhealthtest", "vllm/double/bigram", "trainer"},
-	// The interpreter, the weight-transfer contract with the disk backend,
+	// The interpreter, the weight-transfer contract with the disk and ipc
+	// backends,
 	// the staging pipeline, the vLLM double and its trainer, the workers'
 	// metrics (which the activities record into), the resident trainer's test
 	// double.

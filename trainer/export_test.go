@@ -2,6 +2,9 @@ package trainer
 
 // Test hooks for the external tests.
 
+// UpdateGolden is the package tests' -update flag.
+func UpdateGolden() bool { return *update }
+
 // SetIdleStopped has m call f after its idle timer stopped a run's trainer.
 func SetIdleStopped(m *Manager, f func(runID string)) { m.idleStopped = f }
 

@@ -8,10 +8,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/rlflow/rlflow/internal/goldenfile"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,18 +19,9 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
-// golden compares got with testdata/name, or rewrites it under -update.
 func golden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		require.NoError(t, os.MkdirAll("testdata", 0o755))
-		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
-		return
-	}
-	want, err := os.ReadFile(path)
-	require.NoError(t, err, "run go test ./trainer -update to write it")
-	assert.Equal(t, string(want), got)
+	goldenfile.Check(t, name, got, *update, "go test ./trainer -update")
 }
 
 // decodeAs decodes line as the reply to op (id 7) with op's decoder;

@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/goldenfile"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -548,14 +550,7 @@ func TestProtocolErrorsGolden(t *testing.T) {
 
 func golden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", name)
-	if os.Getenv("UPDATE_GOLDEN") != "" {
-		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
-		return
-	}
-	want, err := os.ReadFile(path)
-	require.NoError(t, err, "UPDATE_GOLDEN=1 go test ./trainer -run %s writes it", t.Name())
-	assert.Equal(t, string(want), got)
+	goldenfile.Check(t, name, got, trainer.UpdateGolden(), "go test ./trainer -update")
 }
 
 // fifoRollouts is a rollouts path that is a FIFO: the trainer's open of it

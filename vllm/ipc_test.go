@@ -6,10 +6,10 @@ import (
 	"encoding/hex"
 	"flag"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/rlflow/rlflow/internal/goldenfile"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,17 +19,9 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
-// golden compares got with testdata/name, or rewrites it under -update.
 func golden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
-		return
-	}
-	want, err := os.ReadFile(path)
-	require.NoError(t, err, "run go test ./vllm -run %s -update to write it", t.Name())
-	assert.Equal(t, string(want), got)
+	goldenfile.Check(t, name, got, *update, "go test ./vllm -run "+t.Name()+" -update")
 }
 
 const ipcUUID = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"

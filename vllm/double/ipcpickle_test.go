@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rlflow/rlflow/internal/goldenfile"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -19,17 +21,9 @@ import (
 
 var updateGolden = flag.Bool("update", false, "rewrite the golden files in testdata")
 
-// golden compares got with testdata/name, or rewrites it under -update.
 func golden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *updateGolden {
-		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
-		return
-	}
-	want, err := os.ReadFile(path)
-	require.NoError(t, err, "run go test ./vllm/double -run %s -update to write it", t.Name())
-	assert.Equal(t, string(want), got)
+	goldenfile.Check(t, name, got, *updateGolden, "go test ./vllm/double -run "+t.Name()+" -update")
 }
 
 // pk writes pickle opcodes for tests: by default the protocol 3 subset
