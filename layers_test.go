@@ -29,10 +29,9 @@ var layers = [][]string{
 	// trainer's protocol and supervisor (over procs).
 	{"pipelines", "nccl/plan", "nccl/nccltest", "nccl/cudaipc", "gpuhealth/gpuhealthtest", "vllm/double/bigram", "trainer"},
 	// The interpreter, the weight-transfer contract with the disk and ipc
-	// backends,
-	// the staging pipeline, the vLLM double and its trainer, the workers'
-	// metrics (which the activities record into), the resident trainer's test
-	// double.
+	// backends, the staging pipeline, the vLLM double and its trainer, the
+	// workers' metrics (which the activities record into), the resident
+	// trainer's test double.
 	{"workflows", "transfer", "nccl/staging", "vllm/double", "vllm/double/demotrain", "metrics", "trainer/trainertest"},
 	// The activities, the NCCL engine (GPU workers only), run control, the
 	// dev server, run reports.
