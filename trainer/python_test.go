@@ -9,19 +9,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/trainer"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
 // python3 is the interpreter of the Python helper's CPU tests, which need
-// no torch; .ci/run installs it.
+// no torch.
 func python3(t *testing.T) string {
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Skip("python3 not on PATH: this test runs trainer/python's torch-free tests; .ci/run installs it")
-	}
-	return py
+	return testutil.Python3(t, "trainer/python's torch-free tests")
 }
 
 // The Python helper's own tests, the torch-free part (the torch and CUDA

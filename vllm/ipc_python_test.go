@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rlflow/rlflow/internal/testutil"
 	"github.com/rlflow/rlflow/vllm"
 )
 
@@ -26,10 +27,7 @@ type unpickled struct {
 // CPython's own unpickler, with stand-ins for torch's globals.
 func unpickleInPython(t *testing.T, b64 string) unpickled {
 	t.Helper()
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Skip("python3 not on PATH: skipping the round trip of ipc_handles_pickled through CPython's pickle; .ci/run installs it")
-	}
+	py := testutil.Python3(t, "the round trip of ipc_handles_pickled through CPython's pickle")
 	cmd := exec.Command(py, "testdata/ipc_unpickle.py")
 	cmd.Stdin = strings.NewReader(b64)
 	cmd.Env = append(cmd.Environ(), "PYTHONDONTWRITEBYTECODE=1")

@@ -56,6 +56,22 @@ func TemporalCLI(t testing.TB) string {
 	return bin
 }
 
+// Python3 finds python3 for a test that needs only the standard library
+// (what for, in the skip message); without it the test skips, saying so,
+// except under CI (CI=true), where .ci/run installs it and its absence is
+// a failure.
+func Python3(t testing.TB, what string) string {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("CI needs python3 (for %s): %v", what, err)
+		}
+		t.Skipf("python3 not on PATH: skipping %s; .ci/run installs it", what)
+	}
+	return py
+}
+
 // Outage is a dev server that a test can take down and bring back on the
 // same address with its state (a database file in the test's temp dir), to
 // play a Temporal outage: workflows and their history survive it, as they
