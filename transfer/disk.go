@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/safetensors"
@@ -35,10 +34,7 @@ import (
 // this process initialised (draft-disk servers need init_info {} once), so
 // an update initialises on first use and again after a worker restart.
 // Safe for concurrent use.
-type Disk struct {
-	mu          sync.Mutex
-	initialized map[string]bool
-}
+type Disk struct{ inited initedGroups }
 
 // The per-server methods of the disk backend, as the step's outputs name
 // them.
@@ -51,7 +47,7 @@ const (
 )
 
 // NewDisk returns the disk backend.
-func NewDisk() *Disk { return &Disk{initialized: map[string]bool{}} }
+func NewDisk() *Disk { return &Disk{} }
 
 var _ Engine = (*Disk)(nil)
 
@@ -87,9 +83,7 @@ func (d *Disk) init(ctx context.Context, key string, f vllm.Fleet, methods []str
 	if err != nil {
 		return TransportErrorf(ctx, err, "disk weight transfer init")
 	}
-	d.mu.Lock()
-	d.initialized[key] = true
-	d.mu.Unlock()
+	d.inited.add(key)
 	return nil
 }
 
@@ -156,32 +150,23 @@ func (d *Disk) Update(ctx context.Context, req UpdateRequest) (UpdateResult, err
 	if err != nil {
 		return UpdateResult{}, err
 	}
-	d.mu.Lock()
-	initialized := d.initialized[key]
-	d.mu.Unlock()
 	res := UpdateResult{Bytes: size, Tensors: tensors, Source: SourceCheckpoint, Group: key, Methods: methods}
-	if !initialized {
+	if !d.inited.has(key) {
 		if err := d.init(ctx, key, req.Fleet, methods); err != nil {
 			return UpdateResult{}, err
 		}
 		res.Initialized = true
 	}
-	// Any session a server has open is a dead attempt's: this process holds
-	// no other (disk updates of one group do not overlap).
 	start := time.Now()
-	s := NewSessions(req.Fleet, true)
 	info := vllm.UpdateInfo{Path: dir, CheckpointBytes: size}
-	err = req.Fleet.Each("update weights", func(i int, c *vllm.Client) error {
+	err = updateFleet(ctx, req.Fleet, req.Version, "disk update of "+dir, func(s *Sessions, i int, c *vllm.Client) error {
 		if methods[i] == MethodDraftDisk {
 			return s.Run(ctx, i, func(ctx context.Context, c *vllm.Client) error { return c.UpdateWeights(ctx, info) }, req.Version)
 		}
 		return reload(ctx, c, dir, size, req.Version, methods[i] == MethodReloadDummy, req.Paused)
 	})
 	if err != nil {
-		if note := s.CloseLeftOpen(ctx, req.Version); note != "" {
-			return UpdateResult{}, TransportErrorf(ctx, err, "disk update of %s on %s (%s)", dir, ServerList(req.Fleet), note)
-		}
-		return UpdateResult{}, TransportErrorf(ctx, err, "disk update of %s on %s", dir, ServerList(req.Fleet))
+		return UpdateResult{}, err
 	}
 	res.Elapsed = time.Since(start)
 	req.Progress.SetSent(size)

@@ -2,7 +2,6 @@ package transfer
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/rlflow/rlflow/trainer"
@@ -25,17 +24,14 @@ import (
 // tensor's ref-counter share is consumed by the servers that open it, so a
 // retried update publishes again (activities do) rather than resend; only
 // snapshots go this way (a checkpoint is BadInput).
-type IPC struct {
-	mu          sync.Mutex
-	initialized map[string]bool
-}
+type IPC struct{ inited initedGroups }
 
 // MethodIPC is how every server of the ipc backend takes weights (the
 // step's methods output).
 const MethodIPC = "ipc"
 
 // NewIPC returns the ipc backend.
-func NewIPC() *IPC { return &IPC{initialized: map[string]bool{}} }
+func NewIPC() *IPC { return &IPC{} }
 
 var _ Engine = (*IPC)(nil)
 
@@ -63,9 +59,7 @@ func (e *IPC) init(ctx context.Context, key string, f vllm.Fleet) error {
 	if err != nil {
 		return TransportErrorf(ctx, err, "ipc weight transfer init")
 	}
-	e.mu.Lock()
-	e.initialized[key] = true
-	e.mu.Unlock()
+	e.inited.add(key)
 	return nil
 }
 
@@ -85,11 +79,8 @@ func (e *IPC) Update(ctx context.Context, req UpdateRequest) (UpdateResult, erro
 	key := GroupKey(req.Target)
 	req.Progress.SetPhase("update", key)
 	req.Progress.SetTotal(size)
-	e.mu.Lock()
-	initialized := e.initialized[key]
-	e.mu.Unlock()
 	res := UpdateResult{Bytes: size, Tensors: len(snap.Tensors), Source: SourceSnapshot, Group: key, Methods: ipcMethods(len(req.Fleet))}
-	if !initialized {
+	if !e.inited.has(key) {
 		if err := e.init(ctx, key, req.Fleet); err != nil {
 			return UpdateResult{}, err
 		}
@@ -101,18 +92,12 @@ func (e *IPC) Update(ctx context.Context, req UpdateRequest) (UpdateResult, erro
 		info.DTypeNames = append(info.DTypeNames, t.DType)
 		info.Shapes = append(info.Shapes, t.Shape)
 	}
-	// Any session a server has open is a dead attempt's: this process holds
-	// no other (updates of one group do not overlap).
 	start := time.Now()
-	s := NewSessions(req.Fleet, true)
-	err = req.Fleet.Each("update weights", func(i int, c *vllm.Client) error {
+	err = updateFleet(ctx, req.Fleet, req.Version, "ipc update of "+req.Version, func(s *Sessions, i int, c *vllm.Client) error {
 		return s.Run(ctx, i, func(ctx context.Context, c *vllm.Client) error { return c.UpdateWeights(ctx, info) }, req.Version)
 	})
 	if err != nil {
-		if note := s.CloseLeftOpen(ctx, req.Version); note != "" {
-			return UpdateResult{}, TransportErrorf(ctx, err, "ipc update of %s on %s (%s)", req.Version, ServerList(req.Fleet), note)
-		}
-		return UpdateResult{}, TransportErrorf(ctx, err, "ipc update of %s on %s", req.Version, ServerList(req.Fleet))
+		return UpdateResult{}, err
 	}
 	res.Elapsed = time.Since(start)
 	req.Progress.SetSent(size)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 
 	"github.com/rlflow/rlflow/vllm"
 )
@@ -123,6 +124,46 @@ func (s *Sessions) CloseLeftOpen(ctx context.Context, version string) string {
 		return note
 	}
 	return "could not close every update session or label its weights, a server may be left mid-update: " + err.Error()
+}
+
+// initedGroups remembers which groups this process initialised, for the
+// backends whose init is one call per server (disk, ipc): an update
+// initialises a group on first use and again after a worker restart.
+type initedGroups struct {
+	mu   sync.Mutex
+	keys map[string]bool
+}
+
+func (g *initedGroups) has(key string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.keys[key]
+}
+
+func (g *initedGroups) add(key string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.keys == nil {
+		g.keys = map[string]bool{}
+	}
+	g.keys[key] = true
+}
+
+// updateFleet runs update on every server of f with one Sessions for the
+// sessions it opens (any a server has open is a dead attempt's: updates of
+// one group do not overlap). On failure it closes the ones left open,
+// labelling version failed, and wraps the error as what on f's servers,
+// saying what the closing did.
+func updateFleet(ctx context.Context, f vllm.Fleet, version, what string, update func(s *Sessions, i int, c *vllm.Client) error) error {
+	s := NewSessions(f, true)
+	err := f.Each("update weights", func(i int, c *vllm.Client) error { return update(s, i, c) })
+	if err == nil {
+		return nil
+	}
+	if note := s.CloseLeftOpen(ctx, version); note != "" {
+		return TransportErrorf(ctx, err, "%s on %s (%s)", what, ServerList(f), note)
+	}
+	return TransportErrorf(ctx, err, "%s on %s", what, ServerList(f))
 }
 
 // workerFailed reports whether err is the server's answer that the call
