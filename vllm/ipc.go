@@ -64,6 +64,11 @@ var ipcItemSizes = map[string]int64{
 	"float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 
+// IsGPUUUID reports whether s is a GPU UUID as vLLM's ipc backend keys
+// handles by it: lowercase 8-4-4-4-12 hex without "GPU-", Python's
+// str(uuid.UUID) of torch's device property.
+func IsGPUUUID(s string) bool { return gpuUUIDPattern.MatchString(s) }
+
 var gpuUUIDPattern = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
 
 // The globals the pickle names (the receiver's allow-list must hold them).
@@ -129,7 +134,7 @@ func EncodeIPCHandles(st IPCStorage, tensors []IPCTensor) (string, error) {
 
 func checkIPCStorage(st IPCStorage) error {
 	switch {
-	case !gpuUUIDPattern.MatchString(st.GPUUUID):
+	case !IsGPUUUID(st.GPUUUID):
 		return fmt.Errorf("gpu uuid is not lowercase 8-4-4-4-12 hex (without \"GPU-\")")
 	case st.Device < 0:
 		return fmt.Errorf("device %d is negative", st.Device)

@@ -88,6 +88,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rlflow/rlflow/vllm"
 	"github.com/rlflow/rlflow/vllm/double/bigram"
 )
 
@@ -393,7 +394,7 @@ func (c Config) withDefaults() (Config, error) {
 		if !c.Generation.hasSessions() {
 			return c, fmt.Errorf("double: the ipc backend needs generation C, D or E, not %s", c.Generation)
 		}
-		if !isGPUUUID(c.GPUUUID) {
+		if !vllm.IsGPUUUID(c.GPUUUID) {
 			return c, fmt.Errorf("double: the ipc backend needs GPUUUID, the GPU's UUID as torch prints it (lowercase 8-4-4-4-12 hex without \"GPU-\"), got %q", clip(c.GPUUUID))
 		}
 	default:

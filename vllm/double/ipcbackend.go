@@ -94,27 +94,6 @@ func (s *Server) IPCRefs() IPCRefs {
 	return out
 }
 
-// isGPUUUID: lowercase 8-4-4-4-12 hex, as Python's str(uuid.UUID).
-func isGPUUUID(s string) bool {
-	if len(s) != 36 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch i {
-		case 8, 13, 18, 23:
-			if c != '-' {
-				return false
-			}
-		default:
-			if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-				return false
-			}
-		}
-	}
-	return true
-}
-
 // ipcHandles runs IPCWeightTransferUpdateInfo.__post_init__: the checks in
 // vLLM's order with vLLM's messages, except that the Ray form ipc_handles
 // is refused (JSON cannot carry it) and the pickle is read by the
