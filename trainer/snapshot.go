@@ -79,6 +79,17 @@ type Tensor struct {
 	Offset, Bytes int64
 }
 
+// ShareHandle is what names the snapshot's block to a process that opens
+// it as torch's rebuild_cuda_tensor does: torch's own handle bytes
+// (IPCCUDA), or, for the TEST DOUBLE's fake_shm, the shared file's path
+// (which the vLLM double's FileIPC opens).
+func (s *Snapshot) ShareHandle() []byte {
+	if s.IPC == IPCFakeShm {
+		return []byte(s.Path)
+	}
+	return s.Handle
+}
+
 // Bytes is the snapshot's extent: the end of its last tensor.
 func (s *Snapshot) Bytes() int64 {
 	var end int64

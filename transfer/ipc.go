@@ -114,10 +114,7 @@ func encodeSnapshotHandles(snap *trainer.Snapshot) (string, error) {
 	if len(snap.Refs) != len(snap.Tensors) {
 		return "", BadInputf("the trainer's publish has %d ipc_refs for %d tensors: vLLM's ipc backend needs one ref-counter share per tensor", len(snap.Refs), len(snap.Tensors))
 	}
-	st := vllm.IPCStorage{GPUUUID: snap.GPUUUID, Device: snap.Device, StorageBytes: snap.StorageBytes, StorageOffset: snap.StorageOffset, Handle: snap.Handle}
-	if snap.IPC == trainer.IPCFakeShm {
-		st.Handle = []byte(snap.Path) // the TEST DOUBLE's handle: vllm/double's FileIPC opens the path
-	}
+	st := vllm.IPCStorage{GPUUUID: snap.GPUUUID, Device: snap.Device, StorageBytes: snap.StorageBytes, StorageOffset: snap.StorageOffset, Handle: snap.ShareHandle()}
 	tensors := make([]vllm.IPCTensor, len(snap.Tensors))
 	for i, t := range snap.Tensors {
 		r := snap.Refs[i]
