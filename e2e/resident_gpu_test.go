@@ -217,7 +217,7 @@ func TestGPUResidentPipelineSIGKILL(t *testing.T) {
 	})
 	ctx := env.ctx
 	r.phase("receiver")
-	r.url = startResidentReceiver(ctx, t, r, env, pipelines.BackendNCCL)
+	r.url = env.startReceiver(pipelines.BackendNCCL)
 	env.startWorkers()
 
 	a := r.run(ctx, "resident-gpu-calm", 0)
@@ -506,14 +506,15 @@ func residentTrainerProcs(runID string) ([]trainerKill, error) {
 	return out, nil
 }
 
-// startResidentReceiver starts receiver.py --http as a generation E server
+// startReceiver starts receiver.py --http as a generation E server
 // of backend and waits for its READY line; it returns its URL. With nccl it
 // is rank 1 of the placement (its own NCCL_HOSTID on a shared GPU); with
 // ipc it runs on the trainer's GPU, as vLLM's ipc backend needs, and
 // unpickles update_info's handles as vLLM does (so it needs vLLM's
 // VLLM_ALLOW_INSECURE_SERIALIZATION=1). No process group and no
 // Pdeathsig: its --deadline ends it if the test dies.
-func startResidentReceiver(ctx context.Context, t *testing.T, r *residentGPURig, e *residentGPUEnv, backend string) string {
+func (e *residentGPUEnv) startReceiver(backend string) string {
+	r, t, ctx := e.r, e.r.t, e.ctx
 	t.Helper()
 	port := testutil.FreePort(t)
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)

@@ -41,7 +41,7 @@ func TestGPUResidentPipelineIPC(t *testing.T) {
 	r.phase("receivers")
 	urls := map[string]string{}
 	for _, b := range []string{pipelines.BackendNCCL, pipelines.BackendIPC} {
-		urls[b] = startResidentReceiver(ctx, t, r, env, b)
+		urls[b] = env.startReceiver(b)
 	}
 	env.startWorkers()
 
